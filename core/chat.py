@@ -1,0 +1,53 @@
+"""Chat-template token framing, derived from the tokenizer's own template (no model family hard-coded).
+
+The policy's sampled ids are kept as they are; only the environment's text is tokenized, wrapped in the
+delimiters the template puts between an assistant turn and the next user turn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+_PROBE_REPLY = "\x00REPLY\x00"
+_PROBE_OBS = "\x00OBS\x00"
+
+
+@dataclass
+class ChatFormat:
+    tokenizer: Any
+    close_reply: str = ""  # text between the assistant's content and the next user content, before the obs
+    open_reply: str = ""  # text after the obs, up to where the assistant starts writing
+    eos_text: str = ""
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any) -> "ChatFormat":
+        base = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
+                {"role": "assistant", "content": _PROBE_REPLY}]
+        full = tokenizer.apply_chat_template(base + [{"role": "user", "content": _PROBE_OBS}],
+                                             add_generation_prompt=True, tokenize=False)
+        i = full.find(_PROBE_REPLY)
+        j = full.find(_PROBE_OBS)
+        if i < 0 or j < 0 or j < i:
+            raise ValueError("cannot derive the turn delimiters from this tokenizer's chat template")
+        close_reply = full[i + len(_PROBE_REPLY):j]
+        open_reply = full[j + len(_PROBE_OBS):]
+        eos_text = tokenizer.eos_token or ""
+        return cls(tokenizer, close_reply, open_reply, eos_text)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def prompt_ids(self, system: str, user: str) -> list[int]:
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        return self.encode(text)
+
+    def env_turn_ids(self, observation: str, reply_ended_with_eos: bool) -> list[int]:
+        """Tokens appended after a policy turn: close the assistant turn, the observation as a user turn,
+        and open the next assistant turn. If the sampled reply already ended with the EOS token that
+        closes a turn, that token is not repeated."""
+        close = self.close_reply
+        if reply_ended_with_eos and self.eos_text and close.startswith(self.eos_text):
+            close = close[len(self.eos_text):]
+        return self.encode(close + observation + self.open_reply)

@@ -1,0 +1,25 @@
+"""Episode metrics. Masked episodes (infrastructure failures) are counted apart and never scored."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from core.trajectory import FINISH_REASONS, Trajectory
+
+
+def episode_metrics(trajs: list[Trajectory]) -> dict[str, float]:
+    live = [t for t in trajs if not t.masked]
+    n = len(live)
+    out: dict[str, float] = {
+        "episodes": float(n),
+        "masked_episodes": float(len(trajs) - n),
+        "mean_reward": sum(t.reward for t in live) / n if n else 0.0,
+        "success_rate": sum(t.success for t in live) / n if n else 0.0,
+        "mean_turns": sum(t.turns for t in live) / n if n else 0.0,
+        "mean_policy_tokens": sum(t.num_policy_tokens for t in live) / n if n else 0.0,
+        "mean_length": sum(len(t.token_ids) for t in live) / n if n else 0.0,
+    }
+    reasons = Counter(t.finish_reason for t in trajs)
+    for r in FINISH_REASONS:
+        out[f"finish_{r}"] = float(reasons.get(r, 0))
+    return out

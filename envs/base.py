@@ -1,0 +1,131 @@
+"""The text-environment contract every ScalingInter environment implements.
+
+Environments speak Gymnasium in text: ``reset`` returns an observation and an info dict, ``step`` takes
+the model's reply (or a bare action) and returns observation, reward, terminated, truncated and info.
+Bad model output never raises: it becomes an explanatory observation for the agent.
+
+Environments never know the curriculum: the turn limit is enforced by the rollout (or the ``TurnLimit``
+wrapper below), which sets ``truncated``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, runtime_checkable
+
+# data_idx space: one integer space per env, split by range so train and test never overlap.
+TEST_OFFSET = 1_000_000
+SPLITS = ("train", "test")
+
+
+def split_of(data_idx: int) -> str:
+    """Which split a task index belongs to (train: [0, 1e6), test: [1e6, ...))."""
+    if data_idx < 0:
+        raise ValueError(f"data_idx must be >= 0, got {data_idx}")
+    return "test" if data_idx >= TEST_OFFSET else "train"
+
+
+def task_index(split: str, i: int) -> int:
+    """The i-th task index of a split."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    if not 0 <= i < TEST_OFFSET:
+        raise ValueError(f"task number must be in [0, {TEST_OFFSET}), got {i}")
+    return i + (TEST_OFFSET if split == "test" else 0)
+
+
+@dataclass
+class StepResult:
+    observation: str
+    reward: float
+    terminated: bool  # the episode reached a terminal state (success or failure)
+    truncated: bool  # cut by a step/turn limit, not a terminal state
+    info: dict[str, Any] = field(default_factory=dict)  # must hold "success": bool
+
+    @property
+    def done(self) -> bool:
+        return self.terminated or self.truncated
+
+
+@runtime_checkable
+class TextEnv(Protocol):
+    """One episode at a time; an instance is reused across episodes via ``reset``."""
+
+    name: str
+
+    def instruction(self) -> str:
+        """System-prompt text: the task family, action format and rules."""
+        ...
+
+    def reset(self, data_idx: int) -> tuple[str, dict[str, Any]]:
+        """Start the task ``data_idx`` (deterministic). Returns (observation, info)."""
+        ...
+
+    def step(self, action: str) -> StepResult:
+        """Apply the model's reply or a bare action. Malformed actions give an explanatory observation."""
+        ...
+
+    def observation(self) -> str:
+        """The current observation (same text as the last reset/step returned)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class TurnLimit:
+    """Wrapper that truncates an episode after ``max_turns`` steps (the curriculum's horizon)."""
+
+    def __init__(self, env: TextEnv, max_turns: int):
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        self.env = env
+        self.max_turns = max_turns
+        self.turns = 0
+        self.name = env.name
+
+    def instruction(self) -> str:
+        return self.env.instruction()
+
+    def reset(self, data_idx: int):
+        self.turns = 0
+        return self.env.reset(data_idx)
+
+    def step(self, action: str) -> StepResult:
+        res = self.env.step(action)
+        self.turns += 1
+        if not res.terminated and self.turns >= self.max_turns:
+            res.truncated = True
+            res.info["turn_limit"] = True
+        return res
+
+    def observation(self) -> str:
+        return self.env.observation()
+
+    def close(self) -> None:
+        self.env.close()
+
+
+# --- registry (one of the two plug-in points) -------------------------------------------------------
+EnvFactory = Callable[..., TextEnv]
+_REGISTRY: dict[str, str] = {
+    # name -> "module:factory" (imported lazily so the server only imports the env it hosts)
+    "babyai": "envs.babyai.env:BabyAIEnv",
+}
+
+
+def register_env(name: str, target: str) -> None:
+    _REGISTRY[name] = target
+
+
+def env_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def make_env(name: str, **options: Any) -> TextEnv:
+    if name not in _REGISTRY:
+        raise KeyError(f"unknown environment {name!r}; registered: {', '.join(env_names())}")
+    import importlib
+
+    module, attr = _REGISTRY[name].split(":")
+    factory = getattr(importlib.import_module(module), attr)
+    return factory(**options)

@@ -1,0 +1,173 @@
+"""Multi-turn rollout: every live episode advances one turn per round; one generate call per round for all
+live episodes, env steps sent concurrently. Token ids are kept exactly as sampled.
+
+The loop sees two small protocols: a ``GenerationBackend`` and ``EpisodeEnv`` sessions (HTTP or
+in-process), so a vLLM backend or another transport slots in without touching it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Protocol
+
+from core.chat import ChatFormat
+from core.trajectory import Trajectory
+from tasks.backends.generation import GenerationBackend, SamplingParams
+
+
+@dataclass
+class EnvReply:
+    observation: str
+    reward: float = 0.0
+    terminated: bool = False
+    truncated: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+    instruction: str = ""
+
+
+class EpisodeEnv(Protocol):
+    async def reset(self, data_idx: int) -> EnvReply: ...
+
+    async def step(self, reply_text: str) -> EnvReply: ...
+
+    async def close(self) -> None: ...
+
+
+class EnvInfraError(RuntimeError):
+    """The environment failed (server down, 5xx, timeout): the episode is masked, not scored."""
+
+
+@dataclass
+class EpisodeSpec:
+    task_id: int  # data_idx
+    group_id: int
+
+
+@dataclass
+class RolloutStats:
+    episodes: int = 0
+    generated_tokens: int = 0
+    env_steps: int = 0
+    gen_time_s: float = 0.0
+    env_time_s: float = 0.0
+    wall_time_s: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.gen_time_s if self.gen_time_s else 0.0
+
+    @property
+    def env_steps_per_s(self) -> float:
+        return self.env_steps / self.env_time_s if self.env_time_s else 0.0
+
+    def as_metrics(self) -> dict[str, float]:
+        return {"gen_tokens_per_s": self.tokens_per_s, "env_steps_per_s": self.env_steps_per_s,
+                "rollout_time_s": self.wall_time_s, "generated_tokens": float(self.generated_tokens)}
+
+
+async def _safe(coro: Awaitable[EnvReply]) -> EnvReply | Exception:
+    try:
+        return await coro
+    except Exception as e:  # noqa: BLE001 - any env failure masks the episode
+        return e
+
+
+async def run_rollout(
+    specs: list[EpisodeSpec],
+    make_env: Callable[[int], EpisodeEnv],
+    backend: GenerationBackend,
+    chat: ChatFormat,
+    params: SamplingParams,
+    turn_limit: int,
+    token_budget: int,
+    on_round: Callable[[int, int, RolloutStats], None] | None = None,
+) -> tuple[list[Trajectory], RolloutStats]:
+    """Run every episode in ``specs`` to its end; returns trajectories in the order of ``specs``."""
+    if turn_limit < 1:
+        raise ValueError("turn_limit must be >= 1")
+    stats = RolloutStats(episodes=len(specs))
+    t_start = time.time()
+    envs = [make_env(i) for i in range(len(specs))]
+    trajs = [Trajectory(task_id=s.task_id, group_id=s.group_id) for s in specs]
+    texts: list[list[str]] = [[] for _ in specs]
+
+    t0 = time.time()
+    resets = await asyncio.gather(*[_safe(e.reset(s.task_id)) for e, s in zip(envs, specs)])
+    stats.env_time_s += time.time() - t0
+    live: list[int] = []
+    for i, r in enumerate(resets):
+        if isinstance(r, Exception):
+            trajs[i].error = f"reset: {type(r).__name__}: {r}"
+            trajs[i].finish("env_error")
+            continue
+        prompt = chat.prompt_ids(r.instruction, r.observation)
+        trajs[i].info["first_observation"] = r.observation
+        if len(prompt) + 1 >= token_budget:
+            trajs[i].start(prompt)
+            trajs[i].finish("token_budget")
+            continue
+        trajs[i].start(prompt)
+        live.append(i)
+
+    rnd = 0
+    while live:
+        rnd += 1
+        room = {i: token_budget - len(trajs[i].token_ids) for i in live}
+        # one generate call per distinct max_new_tokens (all equal unless the budget binds)
+        by_cap: dict[int, list[int]] = {}
+        for i in live:
+            by_cap.setdefault(min(params.max_new_tokens, room[i]), []).append(i)
+        gens = {}
+        t0 = time.time()
+        for cap, idx in by_cap.items():
+            p = SamplingParams(cap, params.temperature, params.top_p)
+            for i, g in zip(idx, backend.generate([trajs[i].token_ids for i in idx], p)):
+                gens[i] = g
+        stats.gen_time_s += time.time() - t0
+        for i in live:
+            g = gens[i]
+            trajs[i].add_action(g.token_ids, g.logprobs)
+            stats.generated_tokens += len(g.token_ids)
+            texts[i].append(chat.tokenizer.decode(g.token_ids, skip_special_tokens=True))
+
+        t0 = time.time()
+        replies = await asyncio.gather(*[_safe(envs[i].step(texts[i][-1])) for i in live])
+        stats.env_time_s += time.time() - t0
+        stats.env_steps += len(live)
+        still: list[int] = []
+        for i, r in zip(live, replies):
+            tr = trajs[i]
+            if isinstance(r, Exception):
+                tr.error = f"step {tr.turns}: {type(r).__name__}: {r}"
+                tr.finish("env_error")
+                continue
+            tr.set_turn_reward(r.reward)
+            tr.info.setdefault("observations", []).append(r.observation)
+            success = bool(r.info.get("success", False))
+            if r.terminated:
+                tr.finish("success" if success else "failure", success)
+                continue
+            if tr.turns >= turn_limit:
+                tr.finish("turn_limit")
+                continue
+            if r.truncated:  # the env's own step budget ran out
+                tr.finish("failure")
+                tr.info["env_truncated"] = True
+                continue
+            env_ids = chat.env_turn_ids(r.observation, gens[i].finish == "stop")
+            if len(tr.token_ids) + len(env_ids) + 1 > token_budget:
+                tr.finish("token_budget")
+                continue
+            tr.add_env(env_ids)
+            still.append(i)
+        live = still
+        if on_round is not None:
+            on_round(rnd, len(live), stats)
+
+    await asyncio.gather(*[_safe(e.close()) for e in envs])
+    for i, t in enumerate(trajs):
+        t.info["replies"] = texts[i]
+    stats.wall_time_s = time.time() - t_start
+    return trajs, stats
