@@ -186,12 +186,13 @@ class TorchLearner:
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, directory / "rng.pt")
         (directory / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
 
-    def load_training_state(self, directory: Path) -> dict[str, Any]:
-        """Load model weights, optimizer state and RNG from a checkpoint folder; returns trainer_state."""
+    def load_training_state(self, directory: Path, weights: bool = True) -> dict[str, Any]:
+        """Load (model weights,) optimizer state and RNG from a checkpoint folder; returns trainer_state."""
         directory = Path(directory)
-        fresh = load_causal_lm(str(directory))
-        self.model.load_state_dict(fresh.state_dict())
-        del fresh
+        if weights:
+            fresh = load_causal_lm(str(directory))
+            self.model.load_state_dict(fresh.state_dict())
+            del fresh
         opt_file = directory / "optimizer.pt"
         if opt_file.exists():
             saved = torch.load(opt_file, weights_only=False)

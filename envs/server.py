@@ -1,0 +1,559 @@
+"""One generic HTTP server hosting any registered ``TextEnv`` (AgentGym endpoint names, faults fixed).
+
+Endpoints (``env_idx`` is accepted everywhere as an alias of ``id``, the AgentGym WebArena/SearchQA dialect):
+
+=======================  ====================================  ==================================================
+``GET  /health``         -                                     ``{"status": "ok", "env", "live_envs", ...}``
+``POST /create``         optional body, ignored                ``{"id": n}``  (ids are never reused)
+``POST /reset``          ``{"id", "data_idx"}``                ``{"observation", "reward", "done", "terminated",
+                                                               "truncated", "info", "instruction"}``
+``POST /step``           ``{"id", "action"}``                  ``{"observation", "reward", "done", "terminated",
+                                                               "truncated", "info"}``
+``GET  /observation``    ``?id=``                              ``{"observation"}``
+``POST /close``          ``{"id"}``                            ``{"closed": true}``  (idempotent)
+=======================  ====================================  ==================================================
+
+Errors are real HTTP statuses with a JSON body ``{"error": message, "code": code}``:
+400 ``malformed_json`` / ``bad_data_idx``; 422 ``invalid_request`` (missing or mistyped fields);
+404 ``unknown_id`` (never issued) / ``env_closed`` (closed or reaped) / ``not_found`` (no such route);
+409 ``not_reset`` / ``episode_done`` / ``env_broken`` (the env raised; reset it); 429 ``too_many_envs``;
+500 ``env_error`` / ``env_create_failed`` / ``internal_error``. The server keeps serving after env errors.
+
+Env code is synchronous: every env call runs in a worker thread (bounded by ``workers``) under a per-env
+``asyncio.Lock``, so requests on different envs run in parallel and requests on one env are serialised.
+Every request touches its env's last-used time; a background reaper closes envs idle for longer than
+``idle_ttl_s``, so envs of vanished clients do not leak.
+
+Run: ``python -m envs.server --env toy --host 127.0.0.1 --port 8000 [--option key=value ...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import logging
+import math
+import os
+import sys
+import threading
+import time
+from collections import OrderedDict
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from envs.base import TextEnv, env_names, make_env
+
+log = logging.getLogger("envs.server")
+
+_CLOSED_HISTORY = 100_000  # how many closed ids remember *why* they are gone (all closed ids stay unusable)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str, **extra: Any):
+        super().__init__(message)
+        self.status, self.code, self.message, self.extra = status, code, message, extra
+
+
+# --- request bodies ----------------------------------------------------------------------------------
+_ID = Field(validation_alias=AliasChoices("id", "env_idx"))
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class IdBody(_Body):
+    id: int = _ID
+
+
+class ResetBody(_Body):
+    id: int = _ID
+    data_idx: int
+
+
+class StepBody(_Body):
+    id: int = _ID
+    action: str
+
+
+# --- env hosting ---------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class _Slot:
+    id: int
+    env: TextEnv
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    state: str = "created"  # created | running | done | broken
+    last_used: float = field(default_factory=time.monotonic)
+    closed: bool = False
+
+    def touch(self) -> None:
+        self.last_used = time.monotonic()
+
+
+def _jsonable(x: Any) -> Any:
+    """Make env info JSON-safe (numpy scalars/arrays, tuples, sets, odd objects)."""
+    if x is None or isinstance(x, (bool, int, str)):
+        return x
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple, set, frozenset)):
+        return [_jsonable(v) for v in x]
+    for attr in ("tolist", "item"):  # numpy arrays / scalars, torch tensors
+        fn = getattr(x, attr, None)
+        if callable(fn):
+            try:
+                return _jsonable(fn())
+            except Exception:  # noqa: BLE001
+                pass
+    return str(x)
+
+
+class EnvHost:
+    """The live envs of one server process and the rules for using them."""
+
+    def __init__(
+        self,
+        env_name: str,
+        env_options: dict[str, Any] | None = None,
+        *,
+        max_envs: int = 256,
+        idle_ttl_s: float = 600.0,
+        reap_interval_s: float | None = None,
+        workers: int = 32,
+        preload: bool = True,
+    ):
+        if env_name not in env_names():
+            raise KeyError(f"unknown environment {env_name!r}; registered: {', '.join(env_names())}")
+        if max_envs < 1 or idle_ttl_s <= 0 or workers < 1:
+            raise ValueError("max_envs and workers must be >= 1 and idle_ttl_s > 0")
+        self.env_name = env_name
+        self.env_options = dict(env_options or {})
+        self.max_envs = max_envs
+        self.idle_ttl_s = float(idle_ttl_s)
+        self.reap_interval_s = (
+            float(reap_interval_s) if reap_interval_s else min(max(self.idle_ttl_s / 4, 0.05), 10.0)
+        )
+        self.workers = workers
+        self.preload = preload
+        self._slots: dict[int, _Slot] = {}
+        self._next_id = 0
+        self._creating = 0
+        self._closed: OrderedDict[int, str] = OrderedDict()
+        self._spare: TextEnv | None = None
+        self._limiter: anyio.CapacityLimiter | None = None
+        self._reaper_task: asyncio.Task | None = None
+        self.created_total = self.closed_total = self.reaped_total = 0
+
+    # lifecycle
+    async def start(self) -> None:
+        self._limiter = anyio.CapacityLimiter(self.workers)
+        if self.preload:  # fail fast on import/option errors, and keep the env for the first /create
+            self._spare = await self._run(self._make)
+        self._reaper_task = asyncio.create_task(self._reaper(), name="env-reaper")
+
+    async def shutdown(self) -> None:
+        if self._reaper_task is not None:
+            self._reaper_task.cancel()
+            try:
+                await self._reaper_task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+        envs = [s.env for s in self._slots.values()]
+        self._slots.clear()
+        if self._spare is not None:
+            envs.append(self._spare)
+            self._spare = None
+        for env in envs:
+            await self._close_env(env)
+
+    # plumbing
+    def _make(self) -> TextEnv:
+        return make_env(self.env_name, **self.env_options)
+
+    async def _run(self, fn, *args):
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+
+    def _gone(self, env_id: int) -> ApiError:
+        if 0 <= env_id < self._next_id:
+            why = self._closed.get(env_id, "closed")
+            detail = f" after being idle for more than {self.idle_ttl_s:g} s" if why == "reaped" else ""
+            return ApiError(404, "env_closed", f"env id {env_id} was {why}{detail}; create a new env", reason=why)
+        return ApiError(404, "unknown_id", f"env id {env_id} was never created on this server")
+
+    @asynccontextmanager
+    async def _use(self, env_id: int):
+        slot = self._slots.get(env_id)
+        if slot is None:
+            raise self._gone(env_id)
+        slot.touch()
+        async with slot.lock:
+            if slot.closed:
+                raise self._gone(env_id)
+            try:
+                yield slot
+            finally:
+                slot.touch()
+
+    def _env_failed(self, slot: _Slot, what: str, exc: BaseException) -> ApiError:
+        slot.state = "broken"
+        log.error("env %d (%s) raised in %s", slot.id, self.env_name, what, exc_info=exc)
+        return ApiError(
+            500, "env_error", f"{self.env_name} env raised in {what}: {type(exc).__name__}: {exc}", id=slot.id
+        )
+
+    async def _close_env(self, env: TextEnv) -> None:
+        try:
+            await self._run(env.close)
+        except Exception:  # noqa: BLE001
+            log.exception("closing a %s env failed", self.env_name)
+
+    async def _close_slot(self, slot: _Slot, reason: str) -> None:
+        slot.closed = True
+        self._slots.pop(slot.id, None)
+        self._closed[slot.id] = reason
+        while len(self._closed) > _CLOSED_HISTORY:
+            self._closed.popitem(last=False)
+        self.closed_total += 1
+        if reason == "reaped":
+            self.reaped_total += 1
+        await self._close_env(slot.env)
+
+    # reaper
+    async def _reaper(self) -> None:
+        while True:
+            await asyncio.sleep(self.reap_interval_s)
+            try:
+                n = await self.reap_once()
+                if n:
+                    log.info("reaped %d idle env(s); %d live", n, len(self._slots))
+            except Exception:  # noqa: BLE001
+                log.exception("reaper pass failed")
+
+    async def reap_once(self) -> int:
+        """Close every env idle for longer than ``idle_ttl_s`` and not in use. Returns how many."""
+        n = 0
+        for slot in list(self._slots.values()):
+            if slot.closed or slot.lock.locked() or time.monotonic() - slot.last_used <= self.idle_ttl_s:
+                continue
+            async with slot.lock:  # free, so acquired without yielding: no request can slip in between
+                if not slot.closed:
+                    await self._close_slot(slot, "reaped")
+                    n += 1
+        return n
+
+    # operations
+    def health(self) -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "env": self.env_name,
+            "pid": os.getpid(),
+            "live_envs": len(self._slots),
+            "max_envs": self.max_envs,
+            "idle_ttl_s": self.idle_ttl_s,
+            "created_total": self.created_total,
+            "closed_total": self.closed_total,
+            "reaped_total": self.reaped_total,
+        }
+
+    async def create(self) -> dict[str, Any]:
+        if len(self._slots) + self._creating >= self.max_envs:
+            await self.reap_once()
+            if len(self._slots) + self._creating >= self.max_envs:
+                raise ApiError(
+                    429,
+                    "too_many_envs",
+                    f"{len(self._slots)} live envs, the limit is max_envs={self.max_envs}; close envs you no "
+                    f"longer use (idle envs are reaped after {self.idle_ttl_s:g} s)",
+                )
+        self._creating += 1
+        try:
+            env, self._spare = self._spare, None
+            if env is None:
+                env = await self._run(self._make)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("creating a %s env failed", self.env_name)
+            raise ApiError(
+                500, "env_create_failed", f"creating a {self.env_name} env failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        finally:
+            self._creating -= 1
+        env_id = self._next_id
+        self._next_id += 1
+        self._slots[env_id] = _Slot(env_id, env)
+        self.created_total += 1
+        return {"id": env_id}
+
+    async def reset(self, env_id: int, data_idx: int) -> dict[str, Any]:
+        async with self._use(env_id) as slot:
+
+            def work():
+                obs, info = slot.env.reset(data_idx)
+                return obs, info, slot.env.instruction()
+
+            try:
+                obs, info, instruction = await self._run(work)
+            except ValueError as exc:
+                slot.state = "created"
+                raise ApiError(400, "bad_data_idx", f"reset({data_idx}) rejected: {exc}", id=env_id) from exc
+            except Exception as exc:  # noqa: BLE001
+                raise self._env_failed(slot, f"reset({data_idx})", exc) from exc
+            slot.state = "running"
+            return {
+                "observation": str(obs),
+                "reward": 0.0,
+                "done": False,
+                "terminated": False,
+                "truncated": False,
+                "info": _jsonable(info or {}),
+                "instruction": str(instruction),
+            }
+
+    def _check_running(self, slot: _Slot, what: str) -> None:
+        if slot.state == "created":
+            raise ApiError(409, "not_reset", f"env {slot.id}: {what} before reset; call /reset first", id=slot.id)
+        if slot.state == "broken":
+            raise ApiError(
+                409, "env_broken", f"env {slot.id} raised an error earlier; call /reset (or close it)", id=slot.id
+            )
+
+    async def step(self, env_id: int, action: str) -> dict[str, Any]:
+        async with self._use(env_id) as slot:
+            self._check_running(slot, "step")
+            if slot.state == "done":
+                raise ApiError(
+                    409, "episode_done", f"env {env_id}: the episode is over; call /reset to start another", id=env_id
+                )
+            try:
+                res = await self._run(slot.env.step, action)
+                out = {
+                    "observation": str(res.observation),
+                    "reward": float(res.reward),
+                    "done": bool(res.terminated or res.truncated),
+                    "terminated": bool(res.terminated),
+                    "truncated": bool(res.truncated),
+                    "info": _jsonable(res.info or {}),
+                }
+            except Exception as exc:  # noqa: BLE001
+                raise self._env_failed(slot, "step", exc) from exc
+            if not math.isfinite(out["reward"]):
+                raise self._env_failed(slot, "step", ValueError(f"non-finite reward {out['reward']}"))
+            if out["done"]:
+                slot.state = "done"
+            return out
+
+    async def observation(self, env_id: int) -> dict[str, Any]:
+        async with self._use(env_id) as slot:
+            self._check_running(slot, "observation")
+            try:
+                obs = await self._run(slot.env.observation)
+            except Exception as exc:  # noqa: BLE001
+                raise self._env_failed(slot, "observation", exc) from exc
+            return {"observation": str(obs)}
+
+    async def close(self, env_id: int) -> dict[str, Any]:
+        slot = self._slots.get(env_id)
+        if slot is None:
+            if 0 <= env_id < self._next_id:  # already closed or reaped: closing is idempotent
+                return {"closed": True, "already_closed": True}
+            raise self._gone(env_id)
+        async with slot.lock:  # waits for an in-flight call on this env
+            if slot.closed:
+                return {"closed": True, "already_closed": True}
+            await self._close_slot(slot, "closed")
+        return {"closed": True}
+
+
+# --- the app ------------------------------------------------------------------------------------------
+def _error(status: int, code: str, message: str, **extra: Any) -> JSONResponse:
+    return JSONResponse({"error": message, "code": code, **extra}, status_code=status)
+
+
+def create_app(
+    env_name: str,
+    env_options: dict[str, Any] | None = None,
+    max_envs: int = 256,
+    idle_ttl_s: float = 600,
+    *,
+    reap_interval_s: float | None = None,
+    workers: int = 32,
+    preload: bool = True,
+) -> FastAPI:
+    """A FastAPI app hosting envs of ``env_name`` (built with ``make_env(env_name, **env_options)``)."""
+    host = EnvHost(
+        env_name,
+        env_options,
+        max_envs=max_envs,
+        idle_ttl_s=idle_ttl_s,
+        reap_interval_s=reap_interval_s,
+        workers=workers,
+        preload=preload,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await host.start()
+        try:
+            yield
+        finally:
+            await host.shutdown()
+
+    app = FastAPI(title=f"ScalingInter env server ({env_name})", lifespan=lifespan)
+    app.state.host = host
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return _error(exc.status, exc.code, exc.message, **exc.extra)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        errs = [
+            {"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
+            for e in exc.errors()
+        ]
+        if any(e["type"] == "json_invalid" for e in errs):
+            return _error(400, "malformed_json", "request body is not valid JSON", details=errs)
+        summary = "; ".join(f"{'.'.join(e['loc'][1:]) or e['loc'][0] if e['loc'] else '?'}: {e['msg']}" for e in errs)
+        return _error(422, "invalid_request", f"invalid request: {summary}", details=errs)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, f"http_{exc.status_code}")
+        return _error(exc.status_code, code, f"{exc.detail}: {request.method} {request.url.path}")
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception):
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        return _error(500, "internal_error", f"{type(exc).__name__}: {exc}")
+
+    @app.get("/health")
+    async def health():
+        return host.health()
+
+    @app.post("/create")
+    async def create():
+        return await host.create()
+
+    @app.post("/reset")
+    async def reset(body: ResetBody):
+        return await host.reset(body.id, body.data_idx)
+
+    @app.post("/step")
+    async def step(body: StepBody):
+        return await host.step(body.id, body.action)
+
+    @app.get("/observation")
+    async def observation(id: int | None = Query(None), env_idx: int | None = Query(None)):  # noqa: A002
+        env_id = id if id is not None else env_idx
+        if env_id is None:
+            raise ApiError(422, "invalid_request", "invalid request: query parameter 'id' (or 'env_idx') is required")
+        return await host.observation(env_id)
+
+    @app.post("/close")
+    async def close(body: IdBody):
+        return await host.close(body.id)
+
+    return app
+
+
+# --- running it -----------------------------------------------------------------------------------------
+def _watch_parent(server, parent_pid: int) -> None:
+    """Stop the server when the process that spawned it goes away (so crashed trainers leave no orphans)."""
+
+    def loop():
+        while not server.should_exit:
+            if os.getppid() != parent_pid:
+                log.warning("parent process %d is gone; shutting down", parent_pid)
+                server.should_exit = True
+                return
+            time.sleep(1.0)
+
+    threading.Thread(target=loop, name="parent-watch", daemon=True).start()
+
+
+def serve(
+    env_name: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    env_options: dict[str, Any] | None = None,
+    *,
+    max_envs: int = 256,
+    idle_ttl_s: float = 600,
+    reap_interval_s: float | None = None,
+    workers: int = 32,
+    log_level: str = "warning",
+    parent_pid: int | None = None,
+) -> None:
+    """Run the server for ``env_name`` with uvicorn (blocks until shut down)."""
+    import uvicorn
+
+    app = create_app(
+        env_name, env_options, max_envs, idle_ttl_s, reap_interval_s=reap_interval_s, workers=workers
+    )
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5
+    )
+    server = uvicorn.Server(config)
+    if parent_pid:
+        _watch_parent(server, parent_pid)
+    server.run()
+    if not server.started:  # e.g. port in use or lifespan startup failed
+        sys.exit(3)
+
+
+def _parse_option(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--option expects key=value, got {text!r}")
+    try:
+        value = json.loads(raw)  # numbers, true/false, null, lists, quoted strings
+    except json.JSONDecodeError:
+        value = raw
+    return key.strip(), value
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m envs.server", description="Serve a registered TextEnv over HTTP.")
+    p.add_argument("--env", required=True, help=f"registered env name ({', '.join(env_names())})")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--option", action="append", type=_parse_option, default=[], metavar="KEY=VALUE",
+                   help="env constructor option (value parsed as JSON when possible); repeatable")
+    p.add_argument("--options-json", default=None, help="env constructor options as one JSON object")
+    p.add_argument("--max-envs", type=int, default=256)
+    p.add_argument("--idle-ttl", type=float, default=600.0, help="seconds before an idle env is reaped")
+    p.add_argument("--reap-interval", type=float, default=None)
+    p.add_argument("--workers", type=int, default=32, help="max env calls running at once (threads)")
+    p.add_argument("--log-level", default="warning")
+    p.add_argument("--parent-pid", type=int, default=None, help="exit when this parent process is gone")
+    a = p.parse_args(argv)
+    options: dict[str, Any] = json.loads(a.options_json) if a.options_json else {}
+    options.update(dict(a.option))
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    serve(
+        a.env,
+        a.host,
+        a.port,
+        options,
+        max_envs=a.max_envs,
+        idle_ttl_s=a.idle_ttl,
+        reap_interval_s=a.reap_interval,
+        workers=a.workers,
+        log_level=a.log_level,
+        parent_pid=a.parent_pid,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""EpisodeEnv adapters for the rollout loop: over HTTP (the env server) or in-process (tests, notebooks)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from envs.base import TextEnv, TurnLimit
+from envs.client import AsyncEnvClient
+from envs.errors import EnvError
+from tasks.rollout import EnvInfraError, EnvReply
+
+
+class HttpEpisode:
+    """One episode on an env server; ``create`` happens lazily at reset."""
+
+    def __init__(self, client: AsyncEnvClient):
+        self.client = client
+        self.env_id: int | None = None
+
+    async def reset(self, data_idx: int) -> EnvReply:
+        try:
+            if self.env_id is None:
+                self.env_id = await self.client.create()
+            r = await self.client.reset(self.env_id, data_idx)
+        except EnvError as e:
+            raise EnvInfraError(str(e)) from e
+        return EnvReply(observation=r.observation, info=dict(r.info), instruction=r.instruction)
+
+    async def step(self, reply_text: str) -> EnvReply:
+        assert self.env_id is not None, "reset first"
+        try:
+            r = await self.client.step(self.env_id, reply_text)
+        except EnvError as e:
+            raise EnvInfraError(str(e)) from e
+        return EnvReply(r.observation, float(r.reward), bool(r.terminated), bool(r.truncated), dict(r.info))
+
+    async def close(self) -> None:
+        if self.env_id is not None:
+            try:
+                await self.client.close(self.env_id)
+            except EnvError:
+                pass  # the server reaps idle envs anyway
+
+
+class LocalEpisode:
+    """An in-process TextEnv driven through the same interface (steps run in a worker thread)."""
+
+    def __init__(self, env: TextEnv):
+        self.env = env
+
+    async def reset(self, data_idx: int) -> EnvReply:
+        obs, info = await asyncio.to_thread(self.env.reset, data_idx)
+        return EnvReply(observation=obs, info=dict(info), instruction=self.env.instruction())
+
+    async def step(self, reply_text: str) -> EnvReply:
+        r = await asyncio.to_thread(self.env.step, reply_text)
+        return EnvReply(r.observation, float(r.reward), r.terminated, r.truncated, dict(r.info))
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.env.close)
+
+
+def local_factory(name: str, options: dict[str, Any] | None = None):
+    from envs.base import make_env
+
+    def make(_i: int) -> LocalEpisode:
+        return LocalEpisode(make_env(name, **(options or {})))
+
+    return make
+
+
+__all__ = ["HttpEpisode", "LocalEpisode", "local_factory", "TurnLimit"]

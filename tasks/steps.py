@@ -1,0 +1,269 @@
+"""Prefect tasks of a phase: thin adapters that do I/O and call one pure function or one backend method.
+
+Live objects (the learner's models, the generation backend, env server processes) stay in a
+``Session`` inside this process; tasks receive its key and small records, and return small records
+(metrics, URIs). Step checkpoints are written to local disk or S3 via ``tasks.checkpoint_store``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from core.advantages import get_estimator
+from core.chat import ChatFormat
+from core.config import RunConfig
+from core.metrics import episode_metrics
+from core.trajectory import Trajectory
+from envs.base import task_index
+
+TASK_OPTS = dict(cache_policy=NO_CACHE, persist_result=False)
+
+
+@dataclass
+class Session:
+    cfg: RunConfig
+    learner: Any = None  # TorchLearner (training) or None (eval only)
+    model: Any = None
+    tokenizer: Any = None
+    backend: Any = None
+    chat: ChatFormat | None = None
+    servers: list[Any] = field(default_factory=list)
+    trajectories: list[Trajectory] = field(default_factory=list)
+    advantages: list[list[float]] = field(default_factory=list)
+
+
+_SESSIONS: dict[str, Session] = {}
+
+
+def get_session(key: str) -> Session:
+    if key not in _SESSIONS:
+        raise KeyError(f"no live session {key!r} in this process")
+    return _SESSIONS[key]
+
+
+def _threads(cfg: RunConfig) -> None:
+    import torch
+
+    torch.set_num_threads(cfg.model.threads or max(1, os.cpu_count() or 1))
+
+
+# --- setup / teardown ------------------------------------------------------------------------------------
+@task(name="spawn-env-servers", retries=2, retry_delay_seconds=2, **TASK_OPTS)
+def spawn_env_servers(key: str) -> list[str]:
+    """Start the phase's env servers as local processes (or use a configured URL); returns their URLs."""
+    from envs.spawn import EnvServerProcess
+
+    s = get_session(key)
+    if s.cfg.env.url:
+        return [s.cfg.env.url]
+    urls = []
+    for _ in range(s.cfg.env.num_servers):
+        proc = EnvServerProcess(s.cfg.env.name, env_options=s.cfg.env.options).start()
+        s.servers.append(proc)
+        urls.append(proc.url)
+    return urls
+
+
+def ensure_servers_alive(key: str) -> int:
+    """Restart env servers that died (their episodes were masked). Returns the number restarted."""
+    s = get_session(key)
+    restarted = 0
+    for proc in s.servers:
+        if not proc.alive():
+            proc.restart()
+            restarted += 1
+    return restarted
+
+
+def open_session(cfg: RunConfig, model_dir: str, train: bool, reference_dir: str | None = None) -> str:
+    """Load models into a new in-process session. ``model_dir`` is a local HF folder."""
+    import torch
+
+    from tasks.backends.generation import TransformersBackend
+    from tasks.backends.learner import LearnerConfig, TorchLearner, load_causal_lm
+
+    _threads(cfg)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    s = Session(cfg=cfg)
+    if train:
+        a = cfg.algo
+        lc = LearnerConfig(lr=a.lr, weight_decay=a.weight_decay, kl_coef=a.kl_coef, clip=a.clip,
+                           grad_clip=a.grad_clip, micro_batch_size=a.micro_batch_size, mini_batches=a.mini_batches,
+                           ppo_epochs=a.ppo_epochs, bf16_autocast=cfg.model.bf16_autocast,
+                           temperature=cfg.rollout.temperature)
+        s.learner = TorchLearner(model_dir, lc, reference_path=reference_dir)
+        s.model, s.tokenizer = s.learner.model, s.learner.tokenizer
+    else:
+        from transformers import AutoTokenizer
+
+        s.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        s.model = load_causal_lm(model_dir)
+        s.model.eval()
+    pad = s.tokenizer.pad_token_id if s.tokenizer.pad_token_id is not None else s.tokenizer.eos_token_id
+    s.backend = TransformersBackend(s.model, s.tokenizer.eos_token_id, pad, cfg.rollout.gen_batch_size,
+                                    cfg.model.bf16_autocast)
+    s.chat = ChatFormat.from_tokenizer(s.tokenizer)
+    key = uuid.uuid4().hex
+    _SESSIONS[key] = s
+    return key
+
+
+def close_session(key: str) -> None:
+    s = _SESSIONS.pop(key, None)
+    if s is None:
+        return
+    for proc in s.servers:
+        try:
+            proc.stop()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+# --- data position: tasks are a pure function of (seed, global step) ---------------------------------
+def train_tasks_for_step(cfg: RunConfig, global_step: int) -> list[int]:
+    rng = random.Random(cfg.seed * 1_000_003 + global_step)
+    pool = cfg.env.task_pool
+    n = cfg.rollout.tasks_per_step
+    return rng.sample(range(pool), n) if n <= pool else [rng.randrange(pool) for _ in range(n)]
+
+
+def eval_tasks(n: int) -> list[int]:
+    return [task_index("test", i) for i in range(n)]
+
+
+# --- rollout -------------------------------------------------------------------------------------------
+def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, turn_limit: int,
+             temperature: float, max_new_tokens: int, label: str) -> tuple[list[Trajectory], dict[str, float]]:
+    from envs.client import AsyncEnvClient
+    from tasks.backends.generation import SamplingParams
+    from tasks.env_sessions import HttpEpisode
+    from tasks.rollout import EpisodeSpec, run_rollout
+
+    specs = [EpisodeSpec(task_id=t, group_id=g) for g, t in enumerate(task_ids) for _ in range(samples)]
+    params = SamplingParams(max_new_tokens, temperature, s.cfg.rollout.top_p)
+
+    async def go():
+        clients = [AsyncEnvClient(u, timeout_s=s.cfg.env.request_timeout_s) for u in urls]
+        try:
+            def make(i):
+                return HttpEpisode(clients[i % len(clients)])
+
+            def on_round(rnd, live, st):
+                print(f"  [{label}] turn {rnd}/{turn_limit}: {live} episodes still running, "
+                      f"{st.generated_tokens} tokens generated ({st.tokens_per_s:.0f} tok/s)", flush=True)
+
+            return await run_rollout(specs, make, s.backend, s.chat, params, turn_limit,
+                                     s.cfg.rollout.token_budget, on_round)
+        finally:
+            for c in clients:
+                await c.aclose()
+
+    trajs, stats = asyncio.run(go())
+    metrics = {**episode_metrics(trajs), **stats.as_metrics()}
+    return trajs, metrics
+
+
+@task(name="rollout-batch", **TASK_OPTS)
+def rollout_batch(key: str, urls: list[str], global_step: int, turn_limit: int) -> dict[str, float]:
+    s = get_session(key)
+    r = s.cfg.rollout
+    tasks = train_tasks_for_step(s.cfg, global_step)
+    trajs, metrics = _rollout(s, urls, tasks, r.samples_per_task, turn_limit, r.temperature, r.max_new_tokens,
+                              f"step {global_step + 1}")
+    for t in trajs:
+        t.info["global_step"] = global_step
+        t.info["turn_limit"] = turn_limit
+    s.trajectories = trajs
+    metrics["max_turns_seen"] = float(max((t.turns for t in trajs), default=0))
+    return metrics
+
+
+@task(name="compute-advantages", **TASK_OPTS)
+def compute_advantages(key: str) -> dict[str, float]:
+    s = get_session(key)
+    trajs = s.trajectories
+    est = get_estimator(s.cfg.algo.estimator)
+    s.advantages = est(rewards=[t.reward for t in trajs], groups=[t.group_id for t in trajs],
+                       loss_masks=[t.loss_mask for t in trajs], masked=[t.masked for t in trajs],
+                       normalize_std=s.cfg.algo.normalize_std)
+    nonzero = sum(1 for a in s.advantages if any(x != 0 for x in a))
+    return {"episodes_with_signal": float(nonzero)}
+
+
+@task(name="policy-update", **TASK_OPTS)
+def policy_update(key: str) -> dict[str, float]:
+    s = get_session(key)
+    return s.learner.update(s.trajectories, s.advantages)
+
+
+@task(name="evaluate", **TASK_OPTS)
+def evaluate_ids(key: str, urls: list[str], task_ids: list[int], turn_limit: int,
+                 max_new_tokens: int) -> dict[str, float]:
+    """Greedy decoding on the given tasks (held-out by default): success rate, mean reward, mean turns."""
+    s = get_session(key)
+    trajs, m = _rollout(s, urls, task_ids, 1, turn_limit, 0.0, max_new_tokens, "eval")
+    return {"success_rate": m["success_rate"], "mean_reward": m["mean_reward"], "mean_turns": m["mean_turns"],
+            "episodes": m["episodes"], "masked_episodes": m["masked_episodes"]}
+
+
+# --- checkpoints ---------------------------------------------------------------------------------------
+@task(name="checkpoint", retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
+def save_step_checkpoint(key: str, uri: str, trainer_state: dict[str, Any], latest_of: str | None = None) -> str:
+    from tasks.checkpoint_store import save_checkpoint, write_latest
+
+    s = get_session(key)
+    tmp = Path(tempfile.mkdtemp(prefix="ckpt-"))
+    try:
+        s.learner.save(tmp, trainer_state)
+        out = save_checkpoint(tmp, uri, overwrite=True, move=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if latest_of:
+        write_latest(latest_of, out)
+    return out
+
+
+def trajectories_text(trajs: list[Trajectory], k: int) -> str:
+    rows = []
+    for t in trajs[:k]:
+        rows.append({"task_id": t.task_id, "group_id": t.group_id, "reward": t.reward, "success": t.success,
+                     "finish_reason": t.finish_reason, "turns": t.turns, "masked": t.masked, "error": t.error,
+                     "first_observation": t.info.get("first_observation"), "replies": t.info.get("replies"),
+                     "observations": t.info.get("observations"), "num_tokens": len(t.token_ids)})
+    return json.dumps(rows, indent=2)
+
+
+def write_rollout_parquet(trajs: list[Trajectory], path: Path, phase: int, step: int) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = pa.table({
+        "task_id": [t.task_id for t in trajs], "group_id": [t.group_id for t in trajs],
+        "turns": [t.turns for t in trajs], "token_ids": [t.token_ids for t in trajs],
+        "loss_mask": [t.loss_mask for t in trajs], "logprobs": [t.logprobs for t in trajs],
+        "turn_rewards": [t.turn_rewards for t in trajs], "finish_reason": [t.finish_reason for t in trajs],
+        "success": [t.success for t in trajs], "masked": [t.masked for t in trajs],
+        "phase": [phase] * len(trajs), "step": [step] * len(trajs),
+    })
+    tmp = path.with_suffix(".tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,102 @@
+"""MLflow tracking: one parent run per curriculum, one child run per phase.
+
+Uses ``MlflowClient`` with explicit run ids (no global active-run state), so it is safe from Prefect's
+task threads. Default store: local sqlite under the run's output dir; ``MLFLOW_TRACKING_URI`` or the
+config's ``tracking.uri`` override it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def default_tracking_uri(output_dir: str | Path, configured: str | None = None) -> str:
+    if configured:
+        return configured
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    db = Path(output_dir).resolve() / "mlflow.db"
+    db.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{db}"
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            s = json.dumps(v) if not isinstance(v, str) else v
+            out[key] = s[:6000]
+    return out
+
+
+class Tracker:
+    def __init__(self, uri: str, experiment: str, artifact_root: str | Path | None = None):
+        import logging
+
+        from mlflow.tracking import MlflowClient
+
+        logging.getLogger("alembic").setLevel(logging.WARNING)
+        logging.getLogger("mlflow").setLevel(logging.WARNING)
+        self.uri = uri
+        self.client = MlflowClient(tracking_uri=uri)
+        exp = self.client.get_experiment_by_name(experiment)
+        if exp is None:
+            loc = None
+            if artifact_root is not None:
+                loc = Path(artifact_root).resolve().as_uri()
+            self.experiment_id = self.client.create_experiment(experiment, artifact_location=loc)
+        else:
+            self.experiment_id = exp.experiment_id
+
+    def find_run(self, run_name: str, parent_id: str | None = None) -> str | None:
+        """An existing (unfinished or failed) run with this name, for resume."""
+        flt = f"tags.`scalinginter.run_name` = '{run_name}'"
+        if parent_id:
+            flt += f" and tags.`mlflow.parentRunId` = '{parent_id}'"
+        runs = self.client.search_runs([self.experiment_id], filter_string=flt, max_results=5,
+                                       order_by=["attributes.start_time DESC"])
+        return runs[0].info.run_id if runs else None
+
+    def start_run(self, run_name: str, params: dict[str, Any] | None = None, parent_id: str | None = None,
+                  tags: dict[str, str] | None = None, resume: bool = True) -> str:
+        existing = self.find_run(run_name, parent_id) if resume else None
+        if existing:
+            self.client.update_run(existing, status="RUNNING")
+            return existing
+        all_tags = {"scalinginter.run_name": run_name, **(tags or {})}
+        if parent_id:
+            all_tags["mlflow.parentRunId"] = parent_id
+        run = self.client.create_run(self.experiment_id, run_name=run_name, tags=all_tags)
+        rid = run.info.run_id
+        if params:
+            from mlflow.entities import Param
+
+            items = [Param(k, v) for k, v in flatten(params).items()]
+            for i in range(0, len(items), 100):
+                self.client.log_batch(rid, params=items[i:i + 100])
+        return rid
+
+    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        ms = [Metric(k, float(v), ts, step) for k, v in metrics.items() if v is not None]
+        if ms:
+            self.client.log_batch(run_id, metrics=ms)
+
+    def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
+        self.client.log_text(run_id, text, artifact_file)
+
+    def set_tag(self, run_id: str, key: str, value: str) -> None:
+        self.client.set_tag(run_id, key, value)
+
+    def end_run(self, run_id: str, status: str = "FINISHED") -> None:
+        self.client.set_terminated(run_id, status=status)
