@@ -172,7 +172,8 @@ class EnvClient(_Base):
         return self._reset_result(d)
 
     def step(self, env_id: int, action: str) -> StepResult:
-        return self._step_result(self._request("POST", "/step", idempotent=False, json={"id": env_id, "action": action}))
+        d = self._request("POST", "/step", idempotent=False, json={"id": env_id, "action": action})
+        return self._step_result(d)
 
     def observation(self, env_id: int) -> str:
         return self._request("GET", "/observation", idempotent=True, params={"id": env_id})["observation"]
