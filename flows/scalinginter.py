@@ -130,6 +130,8 @@ def phase_flow(config: RunConfig, phase: int, init_ref: str, parent_run_id: str 
             if cfg.tracking.log_trajectories:
                 tracker.log_text(run_id, T.trajectories_text(session.trajectories, cfg.tracking.log_trajectories),
                                  f"trajectories/step-{gstep + 1:06d}.json")
+            with open(run_dir(cfg) / "metrics.jsonl", "a") as fh:
+                fh.write(json.dumps({"global_step": gstep + 1, "phase": phase, **metrics}) + "\n")
             T.write_rollout_parquet(session.trajectories, run_dir(cfg) / "rollouts" / f"step-{gstep + 1:06d}.parquet",
                                     phase, gstep)
             print(f"phase {phase}/{len(phases)} step {i + 1}/{ph.steps} (global {gstep + 1}/{total_steps(phases)}) "

@@ -1,0 +1,117 @@
+"""The rollout loop on hand-checkable cases: a scripted generation backend, the toy env in-process, and
+the real SmolLM2 tokenizer/chat template (no model forward passes)."""
+
+import asyncio
+
+import pytest
+
+from core.chat import ChatFormat
+from envs.toy import ToyEnv
+from tasks.backends.generation import Generation, SamplingParams
+from tasks.env_sessions import LocalEpisode
+from tasks.rollout import EpisodeSpec, run_rollout
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from tasks.backends.model import resolve_model
+
+    return AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
+
+
+class Scripted:
+    """Replies from a script per episode (keyed by call order within each generate call)."""
+
+    def __init__(self, tok, replies, eos=True):
+        self.tok, self.replies, self.eos = tok, replies, eos
+        self.eos_token_id = tok.eos_token_id
+        self.calls = []
+        self.turn = 0
+
+    def sync_weights(self):
+        pass
+
+    def generate(self, prompts, params: SamplingParams):
+        self.calls.append((len(prompts), params.max_new_tokens))
+        text = self.replies[min(self.turn, len(self.replies) - 1)]
+        self.turn += 1
+        out = []
+        for i, _ in enumerate(prompts):
+            ids = self.tok(text, add_special_tokens=False)["input_ids"][: params.max_new_tokens]
+            if self.eos and len(ids) < params.max_new_tokens:
+                ids = ids + [self.eos_token_id]
+            out.append(Generation(ids, [-0.5 - 0.01 * j for j in range(len(ids))], "stop" if self.eos else "length"))
+        return out
+
+
+class Crashing(LocalEpisode):
+    async def step(self, reply_text):
+        raise ConnectionError("server went away")
+
+
+def run(tok, replies, specs, turn_limit=3, budget=2048, env_kwargs=None, make=None, eos=True):
+    chat = ChatFormat.from_tokenizer(tok)
+    backend = Scripted(tok, replies, eos)
+    make = make or (lambda i: LocalEpisode(ToyEnv(**(env_kwargs or {}))))
+    trajs, stats = asyncio.run(run_rollout(specs, make, backend, chat, SamplingParams(16, 1.0), turn_limit, budget))
+    return trajs, stats, backend, chat
+
+
+def test_token_exact_multi_turn(tokenizer):
+    # hint=False: the prize is behind the red door; task 0's door numbering is fixed by its seed
+    env = ToyEnv(hint=False)
+    env.reset(0)
+    red = env._doors.index("red") + 1
+    wrong = 1 if red != 1 else 2
+    replies = [f"Action: open door {wrong}", f"Action: open door {red}"]
+    trajs, stats, backend, chat = run(tokenizer, replies, [EpisodeSpec(0, 0)], env_kwargs={"hint": False})
+    t = trajs[0]
+    assert t.turns == 2 and t.success and t.finish_reason == "success" and t.reward == 1.0
+    assert t.turn_rewards == [0.0, 1.0]
+    # the sequence is exactly: prompt | reply1 ids | env ids | reply2 ids
+    a1 = tokenizer(replies[0], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    a2 = tokenizer(replies[1], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    env_ids = chat.env_turn_ids(t.info["observations"][0], reply_ended_with_eos=True)
+    p = t.prompt_len
+    assert t.token_ids[p:] == a1 + env_ids + a2
+    assert t.loss_mask == [0] * p + [1] * len(a1) + [0] * len(env_ids) + [1] * len(a2)
+    assert t.action_ends == [p + len(a1) - 1, len(t.token_ids) - 1]
+    # the rendered text is what the chat template would produce for the same conversation
+    text = tokenizer.decode(t.token_ids)
+    assert text.count("<|im_start|>assistant") == 2 and text.count("<|im_start|>user") == 2
+    assert stats.env_steps == 2 and stats.generated_tokens == len(a1) + len(a2)
+
+
+def test_turn_limit_is_enforced(tokenizer):
+    trajs, *_ = run(tokenizer, ["I am not sure."], [EpisodeSpec(i, i) for i in range(3)], turn_limit=2)
+    for t in trajs:
+        assert t.turns == 2 and t.finish_reason == "turn_limit" and not t.success and not t.masked
+
+
+def test_token_budget_is_enforced(tokenizer):
+    trajs, _, backend, _ = run(tokenizer, ["I am not sure what to do here, let me think."],
+                               [EpisodeSpec(0, 0)], turn_limit=50, budget=400)
+    t = trajs[0]
+    assert t.finish_reason == "token_budget"
+    assert len(t.token_ids) <= 400
+    assert all(cap <= 16 for _, cap in backend.calls)
+
+
+def test_env_failure_masks_episode_not_scores_it(tokenizer):
+    def make(i):
+        return Crashing(ToyEnv()) if i == 1 else LocalEpisode(ToyEnv())
+
+    trajs, *_ = run(tokenizer, ["Action: open door 1"], [EpisodeSpec(0, 0), EpisodeSpec(0, 0)], make=make)
+    assert not trajs[0].masked
+    assert trajs[1].masked and trajs[1].finish_reason == "env_error" and "server went away" in trajs[1].error
+
+
+def test_reply_without_eos_gets_closing_delimiter(tokenizer):
+    trajs, _, _, chat = run(tokenizer, ["thinking"], [EpisodeSpec(0, 0)], turn_limit=2, eos=False)
+    t = trajs[0]
+    a = tokenizer("thinking", add_special_tokens=False)["input_ids"]
+    env_ids = chat.env_turn_ids(t.info["observations"][0], reply_ended_with_eos=False)
+    assert env_ids[0] == tokenizer.eos_token_id  # the template's turn-closing token is added for the env
+    assert t.token_ids[t.prompt_len:t.prompt_len + len(a) + len(env_ids)] == a + env_ids
