@@ -115,3 +115,36 @@ def test_reply_without_eos_gets_closing_delimiter(tokenizer):
     env_ids = chat.env_turn_ids(t.info["observations"][0], reply_ended_with_eos=False)
     assert env_ids[0] == tokenizer.eos_token_id  # the template's turn-closing token is added for the env
     assert t.token_ids[t.prompt_len:t.prompt_len + len(a) + len(env_ids)] == a + env_ids
+
+
+def test_http_rollout_masks_episodes_of_a_dead_server_then_restart_recovers(tokenizer):
+    """Real env server process: killed -> episodes masked (never scored 0); restarted -> episodes run."""
+    from envs.client import AsyncEnvClient
+    from envs.spawn import EnvServerProcess
+    from tasks.env_sessions import HttpEpisode
+
+    with EnvServerProcess("toy") as server:
+        def run_http():
+            async def go():
+                client = AsyncEnvClient(server.url, timeout_s=5, retries=1)
+                try:
+                    return await run_rollout([EpisodeSpec(i, i) for i in range(4)], lambda i: HttpEpisode(client),
+                                             Scripted(tokenizer, ["Action: open door 1"]),
+                                             ChatFormat.from_tokenizer(tokenizer), SamplingParams(16, 1.0), 2, 2048)
+                finally:
+                    await client.aclose()
+            return asyncio.run(go())[0]
+
+        ok = run_http()
+        assert not any(t.masked for t in ok) and all(t.turns >= 1 for t in ok)
+        server.kill()
+        assert not server.alive()
+        dead = run_http()
+        assert all(t.masked and t.finish_reason == "env_error" for t in dead)
+        from core.metrics import episode_metrics
+        m = episode_metrics(dead)
+        assert m["episodes"] == 0 and m["masked_episodes"] == 4  # not counted as failures
+        server.restart()
+        again = run_http()
+        assert not any(t.masked for t in again)
+        assert [t.success for t in again] == [t.success for t in ok]  # deterministic tasks
