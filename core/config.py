@@ -119,6 +119,8 @@ class RunConfig(_Strict):
     run_name: str | None = Field(None, description="Run name; a run with the same name and config resumes.")
     preset: str | None = Field(None, description="Preset this config was built from.")
     seed: int = Field(0, description="Seeds task sampling, generation and the learner.")
+    fail_after_step: int | None = Field(
+        None, ge=1, description="Fault injection for resume tests: fail right after this global step's checkpoint.")
 
     @model_validator(mode="after")
     def _consistent(self):

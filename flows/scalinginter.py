@@ -22,7 +22,7 @@ from typing import Any
 from prefect import flow
 
 from core.config import RunConfig, build_config
-from core.curriculum import phase_start, total_steps
+from core.curriculum import phase_start, total_steps, turn_limit_at
 from tasks import steps as T
 from tasks.checkpoint_store import (
     checkpoint_exists,
@@ -116,13 +116,14 @@ def phase_flow(config: RunConfig, phase: int, init_ref: str, parent_run_id: str 
         urls = T.spawn_env_servers(key)
         for i in range(done_steps, ph.steps):
             gstep = start + i
+            limit = turn_limit_at(phases, gstep)  # the curriculum is a pure function of the global step
             t0 = time.time()
             T.ensure_servers_alive(key)
-            roll = T.rollout_batch(key, urls, gstep, ph.turn_limit)
+            roll = T.rollout_batch(key, urls, gstep, limit)
             adv = T.compute_advantages(key)
             upd = T.policy_update(key)
             metrics = {**roll, **adv, **{f"train/{k2}": v for k2, v in upd.items()},
-                       "turn_limit": float(ph.turn_limit), "step_time_s": time.time() - t0}
+                       "turn_limit": float(limit), "step_time_s": time.time() - t0}
             tracker.log_metrics(run_id, metrics, step=gstep)
             if parent_run_id:
                 tracker.log_metrics(parent_run_id, {k2: metrics[k2] for k2 in
@@ -135,11 +136,11 @@ def phase_flow(config: RunConfig, phase: int, init_ref: str, parent_run_id: str 
             T.write_rollout_parquet(session.trajectories, run_dir(cfg) / "rollouts" / f"step-{gstep + 1:06d}.parquet",
                                     phase, gstep)
             print(f"phase {phase}/{len(phases)} step {i + 1}/{ph.steps} (global {gstep + 1}/{total_steps(phases)}) "
-                  f"turns<={ph.turn_limit} | episodes {int(roll['episodes'])} | "
+                  f"turns<={limit} | episodes {int(roll['episodes'])} | "
                   + fmt(metrics, ["mean_reward", "success_rate", "mean_turns", "gen_tokens_per_s",
                                   "env_steps_per_s", "train/loss", "train/kl", "train/entropy"])
                   + f" | {metrics['step_time_s']:.1f}s", flush=True)
-            state = {"global_step": gstep + 1, "phase": phase, "phase_step": i + 1, "turn_limit": ph.turn_limit,
+            state = {"global_step": gstep + 1, "phase": phase, "phase_step": i + 1, "turn_limit": limit,
                      "run_name": cfg.run_name, "config": cfg.model_dump(mode="json")}
             last = i + 1 == ph.steps
             if last:
@@ -149,6 +150,8 @@ def phase_flow(config: RunConfig, phase: int, init_ref: str, parent_run_id: str 
                 prev = read_latest(phase_uri)
                 out = T.save_step_checkpoint(key, join_uri(phase_uri, f"step-{i + 1:06d}"), state, latest_of=phase_uri)
                 _prune(prev, out)
+            if cfg.fail_after_step is not None and gstep + 1 == cfg.fail_after_step:
+                raise RuntimeError(f"fault injection: failing after global step {gstep + 1} (fail_after_step)")
         status = "FINISHED"
         tracker.set_tag(run_id, "scalinginter.final_checkpoint", final_uri)
         return final_uri
