@@ -53,7 +53,6 @@ def load_policy(model_ref: str, threads: int):
     from tasks.backends.model import resolve_model
 
     torch.set_num_threads(threads)
-    torch.manual_seed(0)
     path = resolve_model(model_ref)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path)
@@ -66,7 +65,9 @@ def task_ids(split: str, episodes: int, first: int = 0) -> list[int]:
 
 
 def run_model(backend, chat, level: str, ids: list[int], temperature: float, turns: int,
-              max_new_tokens: int, token_budget: int) -> tuple[dict[str, float], list]:
+              max_new_tokens: int, token_budget: int, seed: int = 0) -> tuple[dict[str, float], list]:
+    import torch
+
     from core.metrics import episode_metrics
     from tasks.backends.generation import SamplingParams
 
@@ -78,6 +79,7 @@ def run_model(backend, chat, level: str, ids: list[int], temperature: float, tur
         return s
 
     specs = [EpisodeSpec(t, t) for t in ids]
+    torch.manual_seed(seed)  # every cell samples from the same seed, whatever ran before it
     t0 = time.time()
     trajs, stats = asyncio.run(run_rollout(specs, make, backend, chat, SamplingParams(max_new_tokens, temperature),
                                            turns, token_budget))

@@ -154,9 +154,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     # The smallest real run, for end-to-end tests: 1 step per phase, few short episodes.
     "tiny": {
-        "env": {"options": {"levels": "GoToObj,GoToRedBallGrey"}},
+        "env": {"options": {"levels": "GoToObj"}},
         "curriculum": {"phases": [{"turn_limit": 1, "steps": 1}, {"turn_limit": 2, "steps": 1}]},
-        "rollout": {"tasks_per_step": 2, "samples_per_task": 2, "max_new_tokens": 12, "token_budget": 768},
+        "rollout": {"tasks_per_step": 2, "samples_per_task": 4, "max_new_tokens": 24, "token_budget": 768},
         "algo": {"lr": 1e-5, "micro_batch_size": 4},
         "eval": {"n": 2},
         "tracking": {"log_trajectories": 2},

@@ -57,10 +57,9 @@ def test_checkpoint_complete_loads_back_and_params_changed(run_dir):
     base = AutoModelForCausalLM.from_pretrained(resolve_model("smollm2-135m"), dtype=torch.float32)
     diffs = [float((a - b).abs().max()) for a, b in zip(trained.parameters(), base.parameters())]
     signal = [json.loads(l) for l in (out / RUN / "metrics.jsonl").read_text().splitlines()]
-    if any(s["episodes_with_signal"] > 0 for s in signal):
-        assert max(diffs) > 0, "a step with non-zero advantages must move the weights"
-    else:  # no reward signal: GRPO must leave the weights exactly as they were (KL grad is 0 at ref)
-        assert max(diffs) == 0
+    # the tiny preset is seeded so that GRPO groups have mixed outcomes; without that this test proves nothing
+    assert any(s["episodes_with_signal"] > 0 for s in signal), "tiny preset produced no GRPO signal"
+    assert max(diffs) > 0, "steps with non-zero advantages must move the weights"
     opt = torch.load(final / "optimizer.pt", weights_only=False)
     assert len(opt["state"]) == len(list(trained.parameters()))
 
@@ -78,7 +77,7 @@ def test_mlflow_parent_and_phase_runs(run_dir):
     p = parent[0]
     assert p.info.status == "FINISHED"
     assert "eval_before/success_rate" in p.data.metrics and "eval_after/success_rate" in p.data.metrics
-    assert p.data.params["rollout.samples_per_task"] == "2"
+    assert p.data.params["rollout.samples_per_task"] == "4"
     for c in children:
         for m in ("mean_reward", "success_rate", "mean_turns", "train/loss", "train/kl", "train/entropy",
                   "gen_tokens_per_s", "env_steps_per_s", "turn_limit"):

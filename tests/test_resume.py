@@ -61,3 +61,7 @@ def test_killed_run_resumes_exactly(tmp_path):
     assert wa.keys() == wb.keys()
     for k in wa:
         assert torch.equal(wa[k], wb[k]), k
+    # and training did move them (otherwise the equality above would be vacuous)
+    from tasks.backends.model import resolve_model
+    w0 = load_file(Path(resolve_model("smollm2-135m")) / "model.safetensors")
+    assert any(not torch.equal(wa[k], w0[k]) for k in wa)
