@@ -69,11 +69,12 @@ def bench_env(episodes: int, turns: int) -> list[tuple[str, str]]:
     n = 0
     t0 = time.time()
     for ep in range(episodes):
-        env.reset(ep)
+        _, info = env.reset(ep)
+        acts = info["available_actions"]
         for _ in range(turns):
-            acts = env.observation().split("Available actions:")[-1].split("\n")[0].split(",")
-            r = env.step(f"Action: {rng.choice(acts).strip()}")
+            r = env.step(f"Action: {rng.choice(acts)}")
             n += 1
+            acts = r.info.get("available_actions") or acts
             if r.done:
                 break
     dt = time.time() - t0
@@ -89,12 +90,11 @@ def bench_env(episodes: int, turns: int) -> list[tuple[str, str]]:
                 nonlocal steps
                 eid = await client.create()
                 r = await client.reset(eid, ep)
-                obs = r.observation
+                acts = r.info["available_actions"]
                 for _ in range(turns):
-                    acts = obs.split("Available actions:")[-1].split("\n")[0].split(",")
-                    s = await client.step(eid, f"Action: {rng.choice(acts).strip()}")
+                    s = await client.step(eid, f"Action: {rng.choice(acts)}")
                     steps += 1
-                    obs = s.observation
+                    acts = s.info.get("available_actions") or acts
                     if s.terminated or s.truncated:
                         break
                 await client.close(eid)

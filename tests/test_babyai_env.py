@@ -41,7 +41,9 @@ def test_contract_and_registry():
     obs, info = env.reset(0)
     assert obs == env.observation()
     assert obs.startswith("Goal: go to")
-    assert "Available actions: turn left, turn right" in obs
+    assert obs.splitlines()[-1].startswith("Which action? Choose one of: ")
+    assert '"turn left", "turn right"' in obs  # quoted, object actions first, primitives last
+    assert info["available_actions"][:2] == ["turn left", "turn right"]
     assert info["success"] is False and info["env_steps"] == 0
     env.close()
 
@@ -139,7 +141,8 @@ def test_invalid_action_explains_and_does_not_advance():
         assert res.reward == 0.0 and not res.done and res.info["success"] is False
         assert res.info["env_steps"] == 0
         assert res.observation.startswith("Invalid action:")
-        assert "Available actions: turn left, turn right" in res.observation
+        assert res.observation.splitlines()[-1].startswith("Which action? Choose one of: ")
+        assert '"turn left", "turn right"' in res.observation
         assert env.observation() == res.observation
     assert "one action per turn" in env.step("Action: turn left\nAction: turn right").observation
     ok = env.step("turn left")

@@ -65,14 +65,14 @@ def test_env_serve_babyai():
             pytest.fail("server did not come up")
         eid = httpx.post(f"{base}/create", timeout=10).json()["id"]
         r = httpx.post(f"{base}/reset", json={"id": eid, "data_idx": 0}, timeout=10).json()
-        assert "Available actions:" in r["observation"] and r["done"] is False and r["instruction"]
-        action = r["observation"].split("Available actions:")[1].split(",")[0].strip()
+        assert "Which action?" in r["observation"] and r["done"] is False and r["instruction"]
+        action = r["info"]["available_actions"][0]
         s = httpx.post(f"{base}/step", json={"id": eid, "action": f"I will turn.\nAction: {action}"}, timeout=10)
         body = s.json()
         assert s.status_code == 200 and {"observation", "reward", "done", "terminated", "truncated"} <= body.keys()
         assert body["info"]["valid_action"] is True
         bad = httpx.post(f"{base}/step", json={"id": eid, "action": "Action: fly to the moon"}, timeout=10).json()
-        assert bad["info"]["valid_action"] is False and "Available actions" in bad["observation"]
+        assert bad["info"]["valid_action"] is False and "Which action?" in bad["observation"]
         assert httpx.post(f"{base}/step", json={"id": 999, "action": "x"}, timeout=10).status_code == 404
         assert httpx.post(f"{base}/reset", json={"id": eid, "data_idx": -1}, timeout=10).status_code == 400
         assert httpx.post(f"{base}/close", json={"id": eid}, timeout=10).status_code == 200

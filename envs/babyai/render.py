@@ -1,7 +1,8 @@
 """Compact text for what the BabyAI agent sees (pure: data in, string out).
 
 Positions are egocentric: "3 ahead, 1 left" is three steps forward and one to the left of the agent.
-A small model reads every token of this on CPU, so the wording is terse and fixed.
+A small model reads every token of this on CPU, so the wording is terse and fixed. Every observation ends
+with the same multiple-choice question listing the available actions.
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ def describe_ahead(free: int, blocker: Optional[str], max_view: int) -> str:
     return f"{free} free, then {blocker}"
 
 
+PRIMITIVES = ("turn left", "turn right", "move forward", "pick up", "drop", "toggle")
+QUESTION = "Which action? Choose one of: "
+
+
 def render_observation(
     mission: str,
     objects: Sequence[ObjView],
@@ -74,11 +79,13 @@ def render_observation(
 
 
 def render_actions(actions: Sequence[str]) -> str:
-    return "Available actions: " + ", ".join(actions)
+    """The closing question. A 135M chat model answers a direct multiple-choice question far more often
+    with exactly one of the options than it follows a "reply with ..." instruction; quoting the options
+    and listing object actions before the primitive moves also raised the share of parseable replies
+    (bench/babyai_base_success.py)."""
+    ordered = [a for a in actions if a not in PRIMITIVES] + [a for a in actions if a in PRIMITIVES]
+    return QUESTION + ", ".join(f'"{a}"' for a in ordered)
 
 
 def render_invalid(error: str, actions: Sequence[str]) -> str:
-    return (
-        f"Invalid action: {error}. Nothing happened. Reply with one line 'Action: <action>'.\n"
-        + render_actions(actions)
-    )
+    return f"Invalid action: {error}. Nothing happened.\n" + render_actions(actions)
