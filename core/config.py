@@ -149,7 +149,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                                   {"turn_limit": 4, "steps": 2}]},
         "rollout": {"tasks_per_step": 4, "samples_per_task": 4, "max_new_tokens": 32, "token_budget": 1536,
                     "temperature": 0.7},
-        "algo": {"lr": 2e-6, "kl_coef": 0.001, "micro_batch_size": 8},
+        "algo": {"lr": 2e-6, "kl_coef": 0.001, "micro_batch_size": 2},
         "eval": {"n": 24},
     },
     # The smallest real run, for end-to-end tests: 1 step per phase, few short episodes.
@@ -157,7 +157,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "env": {"options": {"levels": "GoToObj"}},
         "curriculum": {"phases": [{"turn_limit": 1, "steps": 1}, {"turn_limit": 2, "steps": 1}]},
         "rollout": {"tasks_per_step": 2, "samples_per_task": 4, "max_new_tokens": 24, "token_budget": 768},
-        "algo": {"lr": 1e-5, "micro_batch_size": 4},
+        "algo": {"lr": 1e-5, "micro_batch_size": 2},
         "eval": {"n": 2},
         "tracking": {"log_trajectories": 2},
     },
