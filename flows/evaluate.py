@@ -25,10 +25,5 @@ def run_eval(cfg: RunConfig, checkpoint: str, split: str = "test", n: int = 16, 
 @flow(name="evaluate", log_prints=True)
 def evaluate_checkpoint(config: RunConfig, checkpoint: str, split: str, n: int, turn_limit: int,
                         model_dir: str) -> dict:
-    key = T.open_session(config, model_dir, train=False)
-    try:
-        urls = T.spawn_env_servers(key)
-        ids = [task_index(split, i) for i in range(n)]
-        return T.evaluate_ids(key, urls, ids, turn_limit, config.rollout.max_new_tokens)
-    finally:
-        T.close_session(key)
+    ids = [task_index(split, i) for i in range(n)]
+    return T.score_model(config, model_dir, ids, turn_limit, config.rollout.max_new_tokens)

@@ -168,13 +168,8 @@ def _prune(prev: str | None, current: str) -> None:
 
 # --- evaluation ------------------------------------------------------------------------------------------
 def evaluate_model(cfg: RunConfig, ref: str, n: int | None = None, turn_limit: int | None = None) -> dict[str, float]:
-    key = T.open_session(cfg, local_model_dir(cfg, ref), train=False)
-    try:
-        urls = T.spawn_env_servers(key)
-        return T.evaluate_ids(key, urls, T.eval_tasks(n or cfg.eval.n), turn_limit or cfg.eval_turn_limit,
-                              cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens)
-    finally:
-        T.close_session(key)
+    return T.score_model(cfg, local_model_dir(cfg, ref), T.eval_tasks(n or cfg.eval.n),
+                         turn_limit or cfg.eval_turn_limit, cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens)
 
 
 # --- parent flow -----------------------------------------------------------------------------------------

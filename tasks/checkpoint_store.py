@@ -642,13 +642,17 @@ def _save_local(src: Path, uri: str, *, move: bool, overwrite: bool) -> str:
         raise
     if move and not moved_source:
         _rmtree_quiet(src_abs)
+    _log_saved(target, files, t0)
+    return str(target)
+
+
+def _log_saved(where: object, files: list[dict[str, Any]], t0: float) -> None:
     total = sum(f["size"] for f in files)
     dt = time.perf_counter() - t0
     log.info(
         "saved checkpoint %s (%d files, %.1f MB) in %.2fs (%.0f MB/s)",
-        target, len(files), total / _MB, dt, total / _MB / max(dt, 1e-9),
+        where, len(files), total / _MB, dt, total / _MB / max(dt, 1e-9),
     )
-    return str(target)
 
 
 def _publish_dir(tmp: Path, target: Path, *, overwrite: bool) -> None:
@@ -752,12 +756,7 @@ def _save_s3(
 
     if move:
         _rmtree_quiet(src)
-    total = sum(f["size"] for f in files)
-    dt = time.perf_counter() - t0
-    log.info(
-        "saved checkpoint %s (%d files, %.1f MB) in %.2fs (%.0f MB/s)",
-        uri, len(files), total / _MB, dt, total / _MB / max(dt, 1e-9),
-    )
+    _log_saved(uri, files, t0)
     return uri
 
 

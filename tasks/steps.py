@@ -13,7 +13,6 @@ import os
 import random
 import shutil
 import tempfile
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -220,6 +219,17 @@ def evaluate_ids(key: str, urls: list[str], task_ids: list[int], turn_limit: int
             "episodes": m["episodes"], "masked_episodes": m["masked_episodes"]}
 
 
+def score_model(cfg: RunConfig, model_dir: str, task_ids: list[int], turn_limit: int,
+                max_new_tokens: int) -> dict[str, float]:
+    """Load a model (no learner), spawn env servers, score ``task_ids`` greedily, tear everything down."""
+    key = open_session(cfg, model_dir, train=False)
+    try:
+        urls = spawn_env_servers(key)
+        return evaluate_ids(key, urls, task_ids, turn_limit, max_new_tokens)
+    finally:
+        close_session(key)
+
+
 # --- checkpoints ---------------------------------------------------------------------------------------
 @task(name="checkpoint", retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
 def save_step_checkpoint(key: str, uri: str, trainer_state: dict[str, Any], latest_of: str | None = None) -> str:
@@ -264,6 +274,3 @@ def write_rollout_parquet(trajs: list[Trajectory], path: Path, phase: int, step:
     pq.write_table(table, tmp)
     os.replace(tmp, path)
 
-
-def now() -> float:
-    return time.time()

@@ -57,7 +57,6 @@ class TransformersBackend:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        out: list[Generation] = []
         # sort by length so padding is small, then restore order
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         results: dict[int, Generation] = {}
@@ -65,8 +64,7 @@ class TransformersBackend:
             idx = order[s:s + self.batch_size]
             for i, g in zip(idx, self._generate_batch([prompts[i] for i in idx], params)):
                 results[i] = g
-        out = [results[i] for i in range(len(prompts))]
-        return out
+        return [results[i] for i in range(len(prompts))]
 
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         if any(len(p) == 0 for p in prompts):
