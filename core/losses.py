@@ -1,12 +1,32 @@
-"""Policy-gradient losses over token tensors. Shapes: [B, T]; ``mask`` is 1 on policy tokens.
+"""Policy-gradient and value losses over token tensors. Shapes: [B, T]; ``mask`` is 1 on policy tokens.
 
-Aggregation is by an explicit denominator so gradient accumulation over micro-batches is exact:
-``token-mean`` divides by the number of policy tokens in the *whole* batch.
+Aggregation is by explicit per-token weights computed for the whole mini-batch, so gradient accumulation over
+micro-batches is exact:
+
+- ``token-mean``: every policy token of the mini-batch weighs 1 / (policy tokens in the mini-batch);
+- ``seq-mean``: every sequence weighs the same: 1 / (sequences * its own policy tokens).
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
+
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean")
+
+
+def sequence_weights(policy_tokens: Sequence[int], mode: str) -> list[float]:
+    """Per-token weight of each sequence of a mini-batch (sequences with no policy token get 0)."""
+    if mode not in LOSS_AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {LOSS_AGGREGATIONS}")
+    total = sum(policy_tokens)
+    if total <= 0:
+        raise ValueError("no policy tokens in the mini-batch")
+    if mode == "token-mean":
+        return [1.0 / total if n > 0 else 0.0 for n in policy_tokens]
+    seqs = sum(1 for n in policy_tokens if n > 0)
+    return [1.0 / (seqs * n) if n > 0 else 0.0 for n in policy_tokens]
 
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -55,3 +75,40 @@ def grpo_token_loss(
         total = total + kl_coef * kl
         stats["kl"] = float(masked_sum(kl.detach(), mask) / denom)
     return masked_sum(total, mask) / denom, stats
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    adv: torch.Tensor,
+    weights: torch.Tensor,  # [B, T]: aggregation weight on policy tokens, 0 elsewhere
+    clip: float,
+    kl_coef: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped policy loss (+ kl_coef * k3 KL to the reference) aggregated by ``weights``."""
+    pg, clipped = clipped_pg_loss(logp, old_logp, adv, clip)
+    total = pg
+    stats = {"pg_loss": float((pg.detach() * weights).sum()), "clip_frac": float((clipped * weights).sum())}
+    if ref_logp is not None and kl_coef:
+        kl = kl_k3(logp, ref_logp)
+        total = total + kl_coef * kl
+        stats["kl"] = float((kl.detach() * weights).sum())
+    return (total * weights).sum(), stats
+
+
+def clipped_value_loss(
+    values: torch.Tensor,  # [B, T] current critic values
+    old_values: torch.Tensor,  # [B, T] values when the advantages were computed
+    returns: torch.Tensor,  # [B, T] targets
+    weights: torch.Tensor,  # [B, T]
+    clip: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO value loss: 0.5 * max((v - R)^2, (clip(v, v_old +- clip) - R)^2), aggregated by ``weights``."""
+    v_clipped = old_values + (values - old_values).clamp(-clip, clip)
+    l1 = (values - returns) ** 2
+    l2 = (v_clipped - returns) ** 2
+    loss = 0.5 * torch.maximum(l1, l2)
+    stats = {"value_loss": float((loss.detach() * weights).sum()),
+             "value_clip_frac": float(((l2 > l1).float() * weights).sum())}
+    return (loss * weights).sum(), stats

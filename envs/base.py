@@ -69,6 +69,11 @@ class TextEnv(Protocol):
         """The current observation (same text as the last reset/step returned)."""
         ...
 
+    def num_tasks(self, split: str) -> int:
+        """How many distinct tasks ``split`` ("train" or "test") has; its indices are
+        ``task_index(split, i)`` for i in [0, num_tasks(split)) (ValueError for another split)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -100,6 +105,9 @@ class TurnLimit:
 
     def observation(self) -> str:
         return self.env.observation()
+
+    def num_tasks(self, split: str) -> int:
+        return self.env.num_tasks(split)
 
     def close(self) -> None:
         self.env.close()

@@ -9,7 +9,7 @@ behind one colour:
   reward alone (random play succeeds ~1/n_doors per attempt).
 
 The agent replies ``Action: open door N``; it may also send its whole reply, the last ``Action:`` line is
-used. A wrong door costs an attempt (``attempts``, default 2, so episodes last one or two valid turns);
+used (several ``Action:`` lines naming different actions are an invalid action). A wrong door costs an attempt (``attempts``, default 2, so episodes last one or two valid turns);
 a malformed action gives an explanatory observation and costs nothing (the rollout's turn limit bounds it).
 Reward 1.0 on success, 0.0 otherwise; ``info["success"]`` is always set.
 
@@ -86,6 +86,11 @@ class ToyEnv:
             f"where N is a door number from 1 to {self.n_doors}."
         )
 
+    def num_tasks(self, split: str) -> int:
+        if split not in ("train", "test"):
+            raise ValueError(f"unknown split {split!r}; expected 'train' or 'test'")
+        return self.n_train if split == "train" else self.n_test
+
     def task(self, data_idx: int) -> tuple[list[str], int]:
         """(door colours, 1-based prize door) of a task; raises ValueError outside the task space."""
         split = split_of(data_idx)
@@ -121,6 +126,13 @@ class ToyEnv:
         if self.step_delay_s > 0:
             time.sleep(self.step_delay_s)
         act = extract_action(action)
+        distinct = {extract_action(line) for line in _ACTION_LINE.findall(action)} - {""}
+        if len(distinct) > 1:  # two different actions in one reply: explained, no attempt spent
+            self._obs = (
+                f"Invalid action: one action per turn, but the reply names {len(distinct)} different actions. "
+                f"Reply with a final line 'Action: open door N'.\n{self._status()}"
+            )
+            return self._result(0.0, terminated=False, success=False, invalid=True)
         if self.fail_action is not None and act == self.fail_action:
             raise RuntimeError(f"toy env: simulated failure on action {act!r}")
         m = _OPEN_DOOR.match(act)

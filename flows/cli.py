@@ -122,6 +122,88 @@ def env_serve(
     server_main(argv)
 
 
+# --- local stack, run comparison, nightly eval (flows/stack.py, flows/compare.py, flows/nightly.py) -----
+stack_app = typer.Typer(help="Local stack on 127.0.0.1: Prefect server + worker, MLflow server, S3 (moto).",
+                        no_args_is_help=True)
+app.add_typer(stack_app, name="stack")
+_STACK_DIR = typer.Option(None, "--dir", help="Stack dir (state, logs, data); default ./.stack or $SCALINGINTER_STACK_DIR.")
+
+
+@stack_app.command("up")
+def stack_up(
+    dir_: Optional[Path] = _STACK_DIR,
+    s3: bool = typer.Option(False, "--s3", help="Also start an S3 endpoint (moto) with a bucket 'scalinginter'."),
+    deploy: bool = typer.Option(False, "--deploy", help="Also register every deployment of prefect.yaml."),
+    prefect_port: int = typer.Option(4200, "--prefect-port"),
+    mlflow_port: int = typer.Option(5000, "--mlflow-port"),
+    s3_port: int = typer.Option(9000, "--s3-port"),
+    pool: str = typer.Option("local", "--pool", help="Process work pool served by the worker."),
+):
+    """Start the stack (Prefect server + process worker, MLflow server[, S3]) and print the URLs."""
+    from flows.stack import StackError, client_env, up
+
+    try:
+        st = up(dir_, prefect_port=prefect_port, mlflow_port=mlflow_port, s3=s3, s3_port=s3_port, pool=pool,
+                deploy=deploy)
+    except StackError as e:
+        _fail(str(e), 1)
+    u = st["urls"]
+    typer.echo(f"Prefect UI:   {u['prefect_ui']}\nMLflow UI:    {u['mlflow']}")
+    if u.get("s3"):
+        typer.echo(f"S3 endpoint:  {u['s3']}  (bucket s3://scalinginter)")
+    typer.echo(f"work pool:    {st['pool']} (process worker running in {st['workdir']})")
+    typer.echo(f"state, logs:  {st['dir']}\n\nUse it from a shell:\n  source {st['dir']}/env.sh")
+    for k, v in client_env(st).items():
+        if not k.startswith("AWS_S") and not k.startswith("AWS_A"):
+            typer.echo(f"  # {k}={v}")
+
+
+@stack_app.command("down")
+def stack_down(dir_: Optional[Path] = _STACK_DIR):
+    """Stop the processes `stack up` started (data and logs stay)."""
+    from flows.stack import down
+
+    stopped = down(dir_)
+    typer.echo("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
+
+
+@stack_app.command("status")
+def stack_status(dir_: Optional[Path] = _STACK_DIR):
+    """Show each service: pid, alive, healthy, URL, log."""
+    from flows.stack import status
+
+    rows = status(dir_)
+    if not rows:
+        typer.echo("no stack (run `scalinginter stack up`)")
+        raise typer.Exit(1)
+    for r in rows:
+        state = "up" if r["healthy"] else ("unhealthy" if r["alive"] else "down")
+        typer.echo(f"{r['service']:<15} {state:<10} pid {r['pid']:<8} {r['url'] or '':<28} {r['log']}")
+    if not all(r["healthy"] for r in rows):
+        raise typer.Exit(1)
+
+
+@app.command()
+def compare(
+    runs: list[str] = typer.Argument(..., help="MLflow run ids or ScalingInter run names (parent runs)."),
+    png: Path = typer.Option(Path("compare.png"), "--png", help="Where to write the learning-curve plot."),
+    tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri",
+                                               help="MLflow URI (default: $MLFLOW_TRACKING_URI or runs/mlflow.db)."),
+    experiment: str = typer.Option("scalinginter", "--experiment"),
+):
+    """Side-by-side table (final success, reward, turns, wall time, steps) and a PNG of learning curves."""
+    from flows.compare import compare_runs
+    from tasks.tracking import default_tracking_uri
+
+    uri = default_tracking_uri("runs", tracking_uri)
+    try:
+        table, _, out = compare_runs(list(runs), uri, png, experiment)
+    except (LookupError, ValueError) as e:
+        _fail(str(e))
+    typer.echo(table)
+    typer.echo(f"\nlearning curves: {out}")
+
+
 def main() -> None:
     app()
 

@@ -22,7 +22,7 @@ from typing import Any
 from prefect import flow
 
 from core.config import RunConfig, build_config
-from core.curriculum import phase_start, total_steps, turn_limit_at
+from core.curriculum import Gate, GateState, gate_update, phase_start, total_steps, turn_limit_at
 from tasks import steps as T
 from tasks.checkpoint_store import (
     checkpoint_exists,
@@ -36,10 +36,18 @@ from tasks.tracking import Tracker, default_tracking_uri
 
 
 def resolve_run(cfg: RunConfig) -> RunConfig:
+    """Give an unnamed run a name. Inside a Prefect flow run the name derives from the flow run (its name
+    and id stay the same when the run is retried from the UI, so a retry finds and resumes the same run)."""
     if cfg.run_name:
         return cfg
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return cfg.model_copy(update={"run_name": f"{cfg.env.name}-{cfg.preset or 'custom'}-{stamp}"})
+    from prefect.runtime import flow_run
+
+    fr_id, fr_name = flow_run.get_id(), flow_run.get_name()
+    if fr_id and fr_name:
+        suffix = f"{fr_name}-{str(fr_id)[:8]}"
+    else:
+        suffix = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return cfg.model_copy(update={"run_name": f"{cfg.env.name}-{cfg.preset or 'custom'}-{suffix}"})
 
 
 def run_dir(cfg: RunConfig) -> Path:
@@ -89,6 +97,8 @@ def phase_flow(config: RunConfig, phase: int, init_ref: str, parent_run_id: str 
     final_uri = join_uri(phase_uri, "final")
     if checkpoint_exists(final_uri):
         print(f"phase {phase}: final checkpoint exists ({final_uri}); skipping")
+        _phase_artifact(cfg, phase, ph.steps, start + ph.steps, None, final_uri, None,
+                        note="Skipped: the final checkpoint of this phase exists (resumed run).")
         return final_uri
 
     tracker = make_tracker(cfg)
@@ -107,16 +117,24 @@ def phase_flow(config: RunConfig, phase: int, init_ref: str, parent_run_id: str 
     key = T.open_session(cfg, model_dir, train=True, reference_dir=ref_dir)
     session = T.get_session(key)
     status = "FAILED"
+    metrics: dict[str, float] | None = None
     try:
+        gated = cfg.curriculum.mode == "gated"
+        gate = Gate(**cfg.curriculum.gate.model_dump())
+        gstate = GateState()
         if src != cfg.model.path:  # a checkpoint: restore optimizer, RNG and position
             state = session.learner.load_training_state(Path(model_dir), weights=False)
             if src == resume_uri:
                 done_steps = int(state.get("phase_step", 0))
+                gstate = GateState.from_dict(state.get("gate"))
                 print(f"phase {phase}: resuming after step {done_steps}/{ph.steps} from {resume_uri}")
+            if gated:  # phases have data-dependent lengths: the position comes from the checkpoint
+                start = int(state.get("global_step", 0)) - done_steps
         urls = T.spawn_env_servers(key)
         for i in range(done_steps, ph.steps):
             gstep = start + i
-            limit = turn_limit_at(phases, gstep)  # the curriculum is a pure function of the global step
+            # steps mode: the curriculum is a pure function of the global step; gated: of the phase
+            limit = ph.turn_limit if gated else turn_limit_at(phases, gstep)
             t0 = time.time()
             T.ensure_servers_alive(key)
             roll = T.rollout_batch(key, urls, gstep, limit)
@@ -143,6 +161,13 @@ def phase_flow(config: RunConfig, phase: int, init_ref: str, parent_run_id: str 
             state = {"global_step": gstep + 1, "phase": phase, "phase_step": i + 1, "turn_limit": limit,
                      "run_name": cfg.run_name, "config": cfg.model_dump(mode="json")}
             last = i + 1 == ph.steps
+            if gated:
+                gstate, reason = gate_update(gate, gstate, float(roll.get("success_rate", 0.0)), ph.steps)
+                state["gate"] = gstate.to_dict()
+                if reason is not None:
+                    last = True
+                    state["gate_reason"] = reason
+                    _log_transition(tracker, run_id, parent_run_id, phase, gstep + 1, i + 1, reason, gstate)
             if last:
                 out = T.save_step_checkpoint(key, final_uri, state)
                 write_latest(root, out)
@@ -152,12 +177,44 @@ def phase_flow(config: RunConfig, phase: int, init_ref: str, parent_run_id: str 
                 _prune(prev, out)
             if cfg.fail_after_step is not None and gstep + 1 == cfg.fail_after_step:
                 raise RuntimeError(f"fault injection: failing after global step {gstep + 1} (fail_after_step)")
+            if last:
+                break
+        steps_done = i + 1 if ph.steps > done_steps else done_steps
         status = "FINISHED"
         tracker.set_tag(run_id, "scalinginter.final_checkpoint", final_uri)
+        version = tracker.register_checkpoint(cfg.env.name, final_uri, run_id, {
+            "phase": str(phase), "turn_limit": str(ph.turn_limit), "run_name": cfg.run_name,
+            "global_step": str(start + steps_done)})
+        print(f"phase {phase}: registered {final_uri} as model scalinginter-{cfg.env.name} version {version}")
+        _phase_artifact(cfg, phase, steps_done, start + steps_done, metrics, final_uri, run_id)
         return final_uri
     finally:
         tracker.end_run(run_id, status)
         T.close_session(key)
+
+
+def _log_transition(tracker: Tracker, run_id: str, parent_run_id: str | None, phase: int, global_step: int,
+                    phase_steps: int, reason: str, gstate: GateState) -> None:
+    """A gated phase ended: an MLflow event (metric + tags + JSON artifact) on the phase and parent runs."""
+    event = {"event": "phase_transition", "phase": phase, "global_step": global_step, "phase_steps": phase_steps,
+             "reason": reason, "smoothed_success": gstate.best, "history": list(gstate.history)}
+    print(f"phase {phase}: gated transition after {phase_steps} steps ({reason}; "
+          f"best smoothed success {gstate.best:.3f})")
+    for rid in filter(None, (run_id, parent_run_id)):
+        tracker.log_metrics(rid, {"curriculum/transition_phase": float(phase)}, step=global_step)
+        tracker.set_tag(rid, f"scalinginter.phase_{phase}.end", f"{reason} at step {global_step}")
+    tracker.log_text(run_id, json.dumps(event, indent=2), f"events/phase-{phase}-transition.json")
+
+
+def _phase_artifact(cfg: RunConfig, phase: int, steps_done: int, global_step: int,
+                    metrics: dict[str, float] | None, uri: str, run_id: str | None, note: str = "") -> None:
+    from tasks.artifacts import artifact_key, phase_markdown, publish_markdown
+
+    phases = cfg.curriculum.as_phases()
+    md = phase_markdown(cfg.run_name, phase, len(phases), phases[phase - 1].turn_limit, steps_done,
+                        phases[phase - 1].steps, global_step, metrics, uri, run_id, note)
+    publish_markdown(artifact_key(cfg.run_name, f"phase-{phase}"), md,
+                     f"ScalingInter {cfg.run_name} phase {phase}: steps, reward, success, turns, checkpoint")
 
 
 def _prune(prev: str | None, current: str) -> None:
@@ -186,8 +243,22 @@ def scalinginter(config: RunConfig | None = None, env: str = "babyai", preset: s
                  overrides: list[str] | None = None) -> dict[str, Any]:
     """A ScalingInter curriculum: phases of growing turn limits, each starting from the previous one.
 
-    Pass a full ``config``, or ``env`` + ``preset`` + ``overrides`` (``key=value`` strings)."""
+    Pass a full ``config``, or ``env`` + ``preset`` + ``overrides`` (``key=value`` strings).
+
+    Args:
+        config: A full typed run config (every field has a default and a description). When given, env,
+            preset and overrides are ignored.
+        env: Registered environment (babyai, textcraft, sciworld, webarena, searchqa, miniwob, toy).
+        preset: Preset of the env (envs/<env>/presets.py): smoke (CPU demo), paper (the paper's schedule),
+            tiny (babyai: the smallest real run). Empty = the config defaults.
+        overrides: Config overrides as key.path=value strings, e.g. rollout.temperature=0.7 or
+            run_name=my-run (the same run name resumes a run).
+    """
     cfg = resolve_run(config or build_config(env, preset, overrides))
+    if cfg.checkpoint.s3_block:
+        from tasks.s3_block import apply_s3_block
+
+        print(f"S3 settings from Prefect block {cfg.checkpoint.s3_block!r}: {', '.join(apply_s3_block(cfg.checkpoint.s3_block))}")
     phases = cfg.curriculum.as_phases()
     rd = run_dir(cfg)
     (rd / "config.json").write_text(cfg.model_dump_json(indent=2))

@@ -21,7 +21,7 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from core.advantages import get_estimator
+from core.advantages import EstimatorParams, get_estimator, trajectory_advantages
 from core.chat import ChatFormat
 from core.config import RunConfig
 from core.metrics import episode_metrics
@@ -42,6 +42,8 @@ class Session:
     servers: list[Any] = field(default_factory=list)
     trajectories: list[Trajectory] = field(default_factory=list)
     advantages: list[list[float]] = field(default_factory=list)
+    returns: list[list[float]] | None = None  # critic targets (PPO)
+    prepared: Any = None  # learner.prepare(...) of the current batch: old/ref log-probs, values
 
 
 _SESSIONS: dict[str, Session] = {}
@@ -103,18 +105,33 @@ def open_session(cfg: RunConfig, model_dir: str, train: bool, reference_dir: str
         lc = LearnerConfig(lr=a.lr, weight_decay=a.weight_decay, kl_coef=a.kl_coef, clip=a.clip,
                            grad_clip=a.grad_clip, micro_batch_size=a.micro_batch_size, mini_batches=a.mini_batches,
                            ppo_epochs=a.ppo_epochs, bf16_autocast=cfg.model.bf16_autocast,
-                           temperature=cfg.rollout.temperature)
-        s.learner = TorchLearner(model_dir, lc, reference_path=reference_dir)
+                           temperature=cfg.rollout.temperature, loss_agg=a.loss_agg,
+                           kl_in_loss=not get_estimator(a.estimator).kl_in_reward,
+                           critic=get_estimator(a.estimator).needs_critic,
+                           critic_path=local_critic_path(a.critic.model), critic_lr=a.critic.lr or 1e-5,
+                           value_clip=a.critic.value_clip)
+        if cfg.learner.engine == "deepspeed":
+            from tasks.backends.deepspeed_learner import make_learner
+
+            s.learner = make_learner(model_dir, lc, reference_dir, cfg.learner)
+        else:
+            s.learner = TorchLearner(model_dir, lc, reference_path=reference_dir)
         s.model, s.tokenizer = s.learner.model, s.learner.tokenizer
     else:
         from transformers import AutoTokenizer
 
         s.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        s.model = load_causal_lm(model_dir)
-        s.model.eval()
+        if cfg.rollout.backend == "transformers":
+            s.model = load_causal_lm(model_dir)
+            s.model.eval()
     pad = s.tokenizer.pad_token_id if s.tokenizer.pad_token_id is not None else s.tokenizer.eos_token_id
-    s.backend = TransformersBackend(s.model, s.tokenizer.eos_token_id, pad, cfg.rollout.gen_batch_size,
-                                    cfg.model.bf16_autocast)
+    if cfg.rollout.backend == "vllm":  # its own engine for the whole session; synced after each update
+        from tasks.backends.vllm_backend import backend_for
+
+        s.backend = backend_for(cfg, model_dir, s.tokenizer, s.learner)
+    else:
+        s.backend = TransformersBackend(s.model, s.tokenizer.eos_token_id, pad, cfg.rollout.gen_batch_size,
+                                        cfg.model.bf16_autocast)
     s.chat = ChatFormat.from_tokenizer(s.tokenizer)
     key = uuid.uuid4().hex
     _SESSIONS[key] = s
@@ -130,6 +147,13 @@ def close_session(key: str) -> None:
             proc.stop()
         except Exception:  # noqa: BLE001
             pass
+    for obj in (s.backend, s.learner):  # a vLLM engine process, DeepSpeed ranks
+        close = getattr(obj, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception:  # noqa: BLE001
+                pass
 
 
 # --- data position: tasks are a pure function of (seed, global step) ---------------------------------
@@ -147,7 +171,7 @@ def eval_tasks(n: int) -> list[int]:
 # --- rollout -------------------------------------------------------------------------------------------
 def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, turn_limit: int,
              temperature: float, max_new_tokens: int, label: str) -> tuple[list[Trajectory], dict[str, float]]:
-    from envs.client import AsyncEnvClient
+    from envs.agentgym import make_async_client
     from tasks.backends.generation import SamplingParams
     from tasks.env_sessions import HttpEpisode
     from tasks.rollout import EpisodeSpec, run_rollout
@@ -156,7 +180,7 @@ def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, tur
     params = SamplingParams(max_new_tokens, temperature, s.cfg.rollout.top_p)
 
     async def go():
-        clients = [AsyncEnvClient(u, timeout_s=s.cfg.env.request_timeout_s) for u in urls]
+        clients = [make_async_client(s.cfg.env.dialect, u, s.cfg.env.name, s.cfg.env.request_timeout_s) for u in urls]
         try:
             def make(i):
                 return HttpEpisode(clients[i % len(clients)])
@@ -191,22 +215,40 @@ def rollout_batch(key: str, urls: list[str], global_step: int, turn_limit: int) 
     return metrics
 
 
+def local_critic_path(ref: str | None) -> str | None:
+    if ref is None:
+        return None
+    from tasks.backends.model import resolve_model
+
+    return resolve_model(ref)
+
+
 @task(name="compute-advantages", **TASK_OPTS)
 def compute_advantages(key: str) -> dict[str, float]:
+    """Learner-side inputs (old/ref log-probs, critic values) then the configured estimator."""
     s = get_session(key)
     trajs = s.trajectories
-    est = get_estimator(s.cfg.algo.estimator)
-    s.advantages = est(rewards=[t.reward for t in trajs], groups=[t.group_id for t in trajs],
-                       loss_masks=[t.loss_mask for t in trajs], masked=[t.masked for t in trajs],
-                       normalize_std=s.cfg.algo.normalize_std)
-    nonzero = sum(1 for a in s.advantages if any(x != 0 for x in a))
-    return {"episodes_with_signal": float(nonzero)}
+    a = s.cfg.algo
+    spec = get_estimator(a.estimator)
+    s.prepared = s.learner.prepare(trajs)
+    params = EstimatorParams(gamma=a.gamma, lam=a.lam, normalize_std=a.normalize_std, whiten=a.whiten_advantages,
+                             kl_coef=a.kl_coef)
+    s.advantages, s.returns, stats = trajectory_advantages(
+        a.estimator, params, trajs,
+        values=s.learner.per_token(trajs, s.prepared, "values") if spec.needs_critic else None,
+        kl=s.learner.per_token(trajs, s.prepared, "kl") if spec.kl_in_reward else None)
+    return stats
 
 
 @task(name="policy-update", **TASK_OPTS)
 def policy_update(key: str) -> dict[str, float]:
     s = get_session(key)
-    return s.learner.update(s.trajectories, s.advantages)
+    out = s.learner.update(s.trajectories, s.advantages, prepared=s.prepared, returns=s.returns)
+    s.prepared = None
+    s.backend.sync_weights()  # a separate generation engine (vLLM) reloads the new weights; no-op otherwise
+    if hasattr(s.backend, "sync_time_s"):
+        out["weight_sync_s"] = s.backend.sync_time_s
+    return out
 
 
 @task(name="evaluate", **TASK_OPTS)

@@ -48,7 +48,8 @@ class Tracker:
         exp = self.client.get_experiment_by_name(experiment)
         if exp is None:
             loc = None
-            if artifact_root is not None:
+            if artifact_root is not None and not uri.startswith(("http://", "https://", "databricks")):
+                # a local store keeps artifacts next to it; a server uses its own (proxied) artifact store
                 loc = Path(artifact_root).resolve().as_uri()
             self.experiment_id = self.client.create_experiment(experiment, artifact_location=loc)
         else:
@@ -100,3 +101,34 @@ class Tracker:
 
     def end_run(self, run_id: str, status: str = "FINISHED") -> None:
         self.client.set_terminated(run_id, status=status)
+
+    def register_checkpoint(self, env: str, checkpoint_uri: str, run_id: str, tags: dict[str, str]) -> str:
+        """Register a checkpoint as a new version of the model ``scalinginter-<env>`` (tags: env, phase, ...).
+
+        The checkpoint URI is the version's source; an MLflow server refuses local paths outside the run's
+        artifacts, so there the source is ``runs:/<run_id>/checkpoint`` and the URI is kept in the
+        ``scalinginter.checkpoint_uri`` tag (always set; readers use the tag). Returns the version."""
+        from mlflow.exceptions import MlflowException
+
+        name = registered_model_name(env)
+        try:
+            self.client.get_registered_model(name)
+        except MlflowException:
+            try:
+                self.client.create_registered_model(name, tags={"env": env},
+                                                    description=f"ScalingInter checkpoints for {env}")
+            except MlflowException:  # created concurrently
+                pass
+        all_tags = {"env": env, "scalinginter.checkpoint_uri": checkpoint_uri, **tags}
+        try:
+            mv = self.client.create_model_version(name, source=checkpoint_uri, run_id=run_id, tags=all_tags)
+        except MlflowException as e:
+            if "source" not in str(e).lower():
+                raise
+            mv = self.client.create_model_version(name, source=f"runs:/{run_id}/checkpoint", run_id=run_id,
+                                                  tags=all_tags)
+        return str(mv.version)
+
+
+def registered_model_name(env: str) -> str:
+    return f"scalinginter-{env}"

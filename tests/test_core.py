@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from core.advantages import get_estimator, grpo_scores
+from core.advantages import EstimatorParams, get_estimator, grpo_scores, make_batch, unpad
 from core.config import ConfigError, build_config
 from core.curriculum import Phase, phase_at, phase_start, total_steps, turn_limit_at
 from core.losses import clipped_pg_loss, grpo_token_loss, kl_k3
@@ -36,7 +36,8 @@ def test_grpo_no_signal_and_masked():
 
 
 def test_grpo_broadcasts_over_policy_tokens_only():
-    adv = get_estimator("grpo")([1, 0], [0, 0], [[0, 1, 1, 0, 1], [0, 1, 0]])
+    batch = make_batch([[0, 0, 0, 0, 1], [0, 0, 0]], [[0, 1, 1, 0, 1], [0, 1, 0]], [0, 0])
+    adv = unpad(get_estimator("grpo").fn(batch, EstimatorParams()).advantages, [5, 3])
     assert adv[0] == pytest.approx([0, 1, 1, 0, 1], abs=1e-5)
     assert adv[1] == pytest.approx([0, -1, 0], abs=1e-5)
 

@@ -162,6 +162,12 @@ class BabyAIEnv:
     def instruction(self) -> str:
         return INSTRUCTION
 
+    def num_tasks(self, split: str) -> int:
+        """Every index of a split is a distinct (level, seed) task: 1e6 per split."""
+        if split not in ("train", "test"):
+            raise ValueError(f"unknown split {split!r}; expected 'train' or 'test'")
+        return TEST_OFFSET
+
     def task(self, data_idx: int) -> tuple[str, int]:
         """(gymnasium level id, seed) of a task index."""
         pos, seed = task_of(data_idx, len(self.levels))
@@ -200,7 +206,8 @@ class BabyAIEnv:
         if not parsed.ok:
             error = self._explain_unreachable(action) or parsed.error or "invalid action"
             self._obs = render_invalid(error, list(self._options))
-            return StepResult(self._obs, 0.0, False, False, self._info(valid=False, action=None, turn_steps=0))
+            info = {**self._info(valid=False, action=None, turn_steps=0), "invalid_action": True}
+            return StepResult(self._obs, 0.0, False, False, info)
 
         phrase = parsed.action
         option = self._options[phrase]

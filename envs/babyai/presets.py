@@ -17,7 +17,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         "env": {"options": {"levels": "GoToObj"}},
         "curriculum": {"phases": [{"turn_limit": 1, "steps": 1}, {"turn_limit": 2, "steps": 1}]},
-        "rollout": {"tasks_per_step": 2, "samples_per_task": 4, "max_new_tokens": 24, "token_budget": 768},
+        # transformers: a vLLM engine's ~20 s start per phase would dominate a run this short
+        "rollout": {"tasks_per_step": 2, "samples_per_task": 4, "max_new_tokens": 24, "token_budget": 768,
+                    "backend": "transformers"},
         "algo": {"lr": 1e-5, "micro_batch_size": 2},
         "eval": {"n": 2},
         "tracking": {"log_trajectories": 2},

@@ -12,13 +12,14 @@ import json
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from core.losses import grpo_token_loss
+from core.advantages import pad_rows
+from core.losses import policy_loss, sequence_weights
 from core.trajectory import Trajectory
 
 
@@ -34,6 +35,27 @@ class LearnerConfig:
     ppo_epochs: int = 1
     bf16_autocast: bool = True
     temperature: float = 1.0  # log-probs are computed for the distribution the rollout sampled from
+    loss_agg: str = "token-mean"  # or "seq-mean"
+    kl_in_loss: bool = True  # False when the estimator puts the KL penalty in the reward (REINFORCE++)
+    critic: bool = False  # PPO: train a value model
+    critic_path: str | None = None  # None: a copy of the policy's initial model
+    critic_lr: float = 1e-5
+    value_clip: float = 0.2
+
+
+@dataclass
+class Prepared:
+    live: list[int]  # indices of the trajectories that enter the loss
+    seqs: list[list[int]]
+    old: list[list[float]] | None = None
+    ref: list[list[float]] | None = None
+    values: list[list[float]] | None = None
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+# config attributes of models whose logits are post-processed after the output projection (soft-capping,
+# scaling): the positions-only projection would skip that, so those models take the full forward
+_LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def load_causal_lm(path: str):
@@ -59,6 +81,12 @@ class TorchLearner:
                 p.requires_grad_(False)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.critic = None
+        if cfg.critic:
+            from tasks.backends.critic import Critic
+
+            self.critic = Critic(cfg.critic_path or reference_path or model_path, cfg.critic_lr, cfg.value_clip,
+                                 cfg.micro_batch_size, cfg.bf16_autocast, cfg.grad_clip, self.pad_id)
 
     # -- log-probs --------------------------------------------------------------------------------------
     def _autocast(self):
@@ -75,92 +103,155 @@ class TorchLearner:
             att[r, : len(s)] = 1
         return ids, att
 
-    def _token_logp(self, model, ids, att, with_entropy: bool = False):
-        """log p(token_t | tokens_<t) at position t ([B, T], position 0 gets 0)."""
-        with self._autocast():
-            logits = model(input_ids=ids, attention_mask=att).logits
-        logits = logits[:, :-1].float()
+    def _token_logp(self, model, ids, att, with_entropy: bool = False, need: torch.Tensor | None = None):
+        """log p(token_t | tokens_<t) at position t ([B, T], position 0 gets 0).
+
+        ``need`` ([B, T] bool, optional) marks the tokens whose log-prob is wanted (the policy tokens): the
+        vocabulary projection then runs only at those positions (elsewhere the result is 0), which saves
+        most of the time and memory on long prompts and env replies."""
+        core = getattr(model, "module", model)  # unwrap engine wrappers (DeepSpeed)
+        fast = need is not None and not any(getattr(core.config, a, None) for a in _LOGIT_POSTPROCESSING)
+        if fast:
+            sel = need[:, 1:].bool()  # the token at t is predicted from the hidden state at t - 1
+            with self._autocast():
+                h = core.base_model(input_ids=ids, attention_mask=att).last_hidden_state[:, :-1]
+                logits = core.get_output_embeddings()(h[sel])
+            logits = logits.float()
+        else:
+            with self._autocast():
+                logits = model(input_ids=ids, attention_mask=att).logits
+            logits = logits[:, :-1].float()
         if self.cfg.temperature > 0:
             logits = logits / self.cfg.temperature
         logz = torch.logsumexp(logits, dim=-1)
-        tok = logits.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1) - logz
-        logp = torch.cat([torch.zeros_like(tok[:, :1]), tok], dim=1)
+        tok_ids = ids[:, 1:][sel] if fast else ids[:, 1:]
+        tok = logits.gather(-1, tok_ids.unsqueeze(-1)).squeeze(-1) - logz
         ent = None
         if with_entropy:
             with torch.no_grad():
                 p = torch.softmax(logits, dim=-1)
-                e = logz - (p * logits).sum(-1)
-                ent = torch.cat([torch.zeros_like(e[:, :1]), e], dim=1)
+                ent = logz - (p * logits).sum(-1)
+        if fast:
+            B, T = ids.shape
+            tok = torch.zeros((B, T - 1), dtype=tok.dtype, device=tok.device).masked_scatter(sel, tok)
+            if ent is not None:
+                ent = torch.zeros((B, T - 1), dtype=ent.dtype, device=ent.device).masked_scatter(sel, ent)
+        logp = torch.cat([torch.zeros_like(tok[:, :1]), tok], dim=1)
+        if ent is not None:
+            ent = torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1)
         return logp, ent
 
     @torch.no_grad()
-    def sequence_logprobs(self, seqs: list[list[int]], reference: bool = False) -> list[list[float]]:
+    def sequence_logprobs(self, seqs: list[list[int]], reference: bool = False,
+                          masks: list[list[int]] | None = None) -> list[list[float]]:
+        """Per-token log-probs of ``seqs``; with ``masks``, only on the masked-in tokens (0 elsewhere)."""
         model = self.ref if reference else self.model
         out: list[list[float]] = []
         mb = self.cfg.micro_batch_size
         for s in range(0, len(seqs), mb):
             chunk = seqs[s:s + mb]
             ids, att = self._pad(chunk)
-            logp, _ = self._token_logp(model, ids, att)
+            need = pad_rows(masks[s:s + mb], ids.shape[1]).bool() if masks is not None else None
+            logp, _ = self._token_logp(model, ids, att, need=need)
             out += [logp[r, : len(c)].tolist() for r, c in enumerate(chunk)]
         return out
 
     # -- update -----------------------------------------------------------------------------------------
-    def update(self, trajs: list[Trajectory], advantages: list[list[float]]) -> dict[str, float]:
-        """One training step over the batch. ``advantages[i]`` is per token of ``trajs[i]``."""
+    def prepare(self, trajs: list[Trajectory]) -> Prepared:
+        """What the estimators need before the update: the learner's own log-probs (PPO's "old" log-probs),
+        the reference log-probs, and the critic's values. Computed once per step, reused by ``update``."""
         live = [i for i, t in enumerate(trajs) if not t.masked and t.num_policy_tokens > 0]
+        seqs = [trajs[i].token_ids for i in live]
+        p = Prepared(live=live, seqs=seqs)
+        if not live:
+            return p
+        masks = [trajs[i].loss_mask for i in live]
+        p.old = self.sequence_logprobs(seqs, masks=masks)
+        p.ref = self.sequence_logprobs(seqs, reference=True, masks=masks) if self.ref is not None else None
+        p.values = self.critic.values(seqs) if self.critic is not None else None
+        # rollout vs learner log-prob mismatch on policy tokens (kernels / bf16)
+        diffs = [abs(a - b) for i, o in zip(live, p.old) for a, b, m in
+                 zip(trajs[i].logprobs, o, trajs[i].loss_mask) if m]
+        p.stats["logprob_mismatch"] = sum(diffs) / max(1, len(diffs))
+        return p
+
+    def per_token(self, trajs: list[Trajectory], p: Prepared, which: str) -> list[list[float]]:
+        """A prepared per-token quantity (``old``, ``ref``, ``values``, ``kl``) for every trajectory (0 for
+        masked ones), aligned with ``trajs``."""
+        rows = [[0.0] * len(t.token_ids) for t in trajs]
+        if which == "kl":
+            if p.ref is None:
+                return rows
+            src = [[a - b for a, b in zip(o, r)] for o, r in zip(p.old, p.ref)]
+        else:
+            src = getattr(p, which)
+            if src is None:
+                return rows
+        for k, i in enumerate(p.live):
+            rows[i] = list(src[k])
+        return rows
+
+    def update(self, trajs: list[Trajectory], advantages: list[list[float]], prepared: Prepared | None = None,
+               returns: list[list[float]] | None = None) -> dict[str, float]:
+        """One training step over the batch. ``advantages[i]`` (and the critic targets ``returns[i]``) are per
+        token of ``trajs[i]``. PPO epochs and mini-batches are honoured as configured."""
+        p = prepared if prepared is not None else self.prepare(trajs)
+        live, seqs = p.live, p.seqs
         if not live:
             return {"skipped": 1.0}
+        if self.critic is not None and returns is None:
+            raise ValueError("this learner has a critic: pass the estimator's returns to update()")
         t0 = time.time()
-        seqs = [trajs[i].token_ids for i in live]
-        old = self.sequence_logprobs(seqs)  # the learner's own log-probs are PPO's "old" log-probs
-        ref = self.sequence_logprobs(seqs, reference=True) if self.ref is not None else None
-        # rollout vs learner log-prob mismatch on policy tokens (kernels / bf16)
-        diffs = [abs(a - b) for i, o in zip(live, old) for a, b, m in
-                 zip(trajs[i].logprobs, o, trajs[i].loss_mask) if m]
-        stats: dict[str, float] = {"logprob_mismatch": sum(diffs) / max(1, len(diffs))}
+        stats: dict[str, float] = dict(p.stats)
         agg: dict[str, list[float]] = {}
         mb = self.cfg.micro_batch_size
         n_tokens = 0
-        grad_norms = []
+        grad_norms, critic_norms = [], []
         n_mini = 0
+        kl_coef = self.cfg.kl_coef if self.cfg.kl_in_loss else 0.0
         self.model.train()
+        size = math.ceil(len(live) / self.cfg.mini_batches)
         for _epoch in range(self.cfg.ppo_epochs):
             order = list(range(len(live)))
-            size = math.ceil(len(order) / self.cfg.mini_batches)
+            if self.cfg.mini_batches > 1:  # a fresh split per epoch (torch RNG: checkpointed, so resume is exact)
+                order = torch.randperm(len(live)).tolist()
             for m0 in range(0, len(order), size):
                 mini = order[m0:m0 + size]
-                denom = float(sum(trajs[live[k]].num_policy_tokens for k in mini))
+                w_seq = sequence_weights([trajs[live[k]].num_policy_tokens for k in mini], self.cfg.loss_agg)
                 self._zero_grad()
+                if self.critic is not None:
+                    self.critic.zero_grad()
                 for s in range(0, len(mini), mb):
                     ks = mini[s:s + mb]
                     ids, att = self._pad([seqs[k] for k in ks])
                     T = ids.shape[1]
-
-                    def padded(rows):
-                        x = torch.zeros((len(ks), T))
-                        for r, row in enumerate(rows):
-                            x[r, : len(row)] = torch.tensor(row, dtype=torch.float32)
-                        return x
-
-                    mask = padded([trajs[live[k]].loss_mask for k in ks])
-                    adv = padded([advantages[live[k]] for k in ks])
-                    old_t = padded([old[k] for k in ks])
-                    ref_t = padded([ref[k] for k in ks]) if ref is not None else None
-                    logp, ent = self._token_logp(self.model, ids, att, with_entropy=True)
-                    loss, st = grpo_token_loss(logp, old_t, ref_t, adv, mask, self.cfg.clip,
-                                               self.cfg.kl_coef, denom)
+                    mask = pad_rows([trajs[live[k]].loss_mask for k in ks], T)
+                    weights = mask * torch.tensor([w_seq[s + r] for r in range(len(ks))])[:, None]
+                    adv = pad_rows([advantages[live[k]] for k in ks], T)
+                    old_t = pad_rows([p.old[k] for k in ks], T)
+                    ref_t = pad_rows([p.ref[k] for k in ks], T) if p.ref is not None and kl_coef else None
+                    logp, ent = self._token_logp(self.model, ids, att, with_entropy=True, need=mask.bool())
+                    loss, st = policy_loss(logp, old_t, ref_t, adv, weights, self.cfg.clip, kl_coef)
                     self._backward(loss)
-                    st["entropy"] = float((ent * mask).sum() / denom)
+                    st["entropy"] = float((ent * weights).sum())
                     st["loss"] = float(loss.detach())
-                    for k, v in st.items():  # each micro-batch stat is already scaled by 1/denom
+                    if self.critic is not None:
+                        st.update(self.critic.accumulate(
+                            [seqs[k] for k in ks], pad_rows([p.values[k] for k in ks], T),
+                            pad_rows([returns[live[k]] for k in ks], T), weights))
+                    for k, v in st.items():  # each micro-batch stat is already weighted within its mini-batch
                         agg.setdefault(k, []).append(v)
                     n_tokens += int(att.sum())
                 grad_norms.append(self._step())
+                if self.critic is not None:
+                    critic_norms.append(self.critic.step())
                 n_mini += 1
         for k, v in agg.items():
             stats[k] = sum(v) / n_mini  # sums over micro-batches of a mini-batch, averaged over mini-batches
         stats["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        if critic_norms:
+            stats["critic_grad_norm"] = sum(critic_norms) / len(critic_norms)
+        stats["optimizer_steps"] = float(n_mini)
         dt = time.time() - t0
         stats["update_tokens_per_s"] = n_tokens / dt if dt > 0 else 0.0
         stats["update_time_s"] = dt
@@ -195,6 +286,8 @@ class TorchLearner:
                                                          for g in self.opt.param_groups]},
                    directory / "optimizer.pt")
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, directory / "rng.pt")
+        if self.critic is not None:
+            self.critic.save(directory)
         (directory / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
 
     def load_training_state(self, directory: Path, weights: bool = True) -> dict[str, Any]:
@@ -218,5 +311,7 @@ class TorchLearner:
             rng = torch.load(rng_file, weights_only=False)
             torch.set_rng_state(rng["torch"])
             random.setstate(rng["python"])
+        if self.critic is not None:
+            self.critic.load(directory)
         state_file = directory / "trainer_state.json"
         return json.loads(state_file.read_text()) if state_file.exists() else {}

@@ -1,0 +1,248 @@
+"""Benchmark the engines of issue 8: vLLM vs transformers rollout, torch vs DeepSpeed update, env protocol overhead.
+
+    python bench/bench_engines.py [--only rollout|update|env] [--episodes 8,32,64] [--turns 2] [--new-tokens 32]
+
+rollout: generated tok/s and env steps/s for N concurrent BabyAI episodes (the real rollout loop, envs
+  in-process), per backend; pure generation tok/s on the same prompts; the fraction of rollout wall time the
+  generator sat idle waiting for envs; a sequential per-episode loop (batch 1) as the baseline.
+update: GRPO-step tokens/s of the torch and DeepSpeed ZeRO-2 learners (fp32, bf16 autocast) next to a bare
+  fp32/bf16 matmul roofline measured in the same run.
+env: per-step latency p50/p99, BabyAI in-process vs over the HTTP server.
+Prints a table and writes bench/results/engines-<time>.json. Run on an idle machine (flock /tmp/si-heavy.lock).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+LEVELS = "GoToObj,GoToRedBallGrey,GoToLocal"
+
+
+def _prompts(chat, n):
+    from envs.babyai.env import BabyAIEnv
+
+    env = BabyAIEnv(levels=LEVELS)
+    out = []
+    for i in range(n):
+        obs, _ = env.reset(i)
+        out.append(chat.prompt_ids(env.instruction(), obs))
+    return out
+
+
+def bench_rollout(episodes: list[int], turns: int, new_tokens: int, backends: list[str]) -> list[dict]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from core.chat import ChatFormat
+    from tasks.backends.generation import SamplingParams, TransformersBackend
+    from tasks.backends.model import resolve_model
+    from tasks.env_sessions import local_factory
+    from tasks.rollout import EpisodeSpec, run_rollout
+
+    path = resolve_model("smollm2-135m")
+    tok = AutoTokenizer.from_pretrained(path)
+    chat = ChatFormat.from_tokenizer(tok)
+    params = SamplingParams(new_tokens, 1.0)
+    rows = []
+    for name in backends:
+        t0 = time.time()
+        if name == "vllm":
+            from tasks.backends.vllm_backend import VLLMBackend
+
+            be = VLLMBackend(path, tok.eos_token_id, dtype="bfloat16", enforce_eager=True, max_model_len=2048)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            be = TransformersBackend(model, tok.eos_token_id, tok.eos_token_id, batch_size=64)
+        start_s = time.time() - t0
+        be.generate(_prompts(chat, 2), SamplingParams(4, 1.0))  # warm-up
+        for n in episodes:
+            prompts = _prompts(chat, n)
+            t = time.time()
+            gens = be.generate(prompts, params)
+            dt = time.time() - t
+            pure = sum(len(g.token_ids) for g in gens) / dt
+            specs = [EpisodeSpec(task_id=i, group_id=i) for i in range(n)]
+            trajs, st = asyncio.run(run_rollout(specs, local_factory("babyai", {"levels": LEVELS}), be, chat, params,
+                                                turns, 2048))
+            idle = 1 - st.gen_time_s / st.wall_time_s if st.wall_time_s else 0.0
+            row = {"section": "rollout", "backend": name, "episodes": n, "engine_start_s": start_s,
+                   "pure_gen_tok_s": pure, "rollout_tok_s": st.generated_tokens / st.wall_time_s,
+                   "rollout_gen_tok_s": st.tokens_per_s, "env_steps_s_wall": st.env_steps / st.wall_time_s,
+                   "generator_idle_frac": idle, "rollout_vs_pure": (st.generated_tokens / st.wall_time_s) / pure,
+                   "wall_s": st.wall_time_s}
+            rows.append(row)
+            print(row, flush=True)
+        # sequential baseline: one episode at a time (batch 1), 4 episodes
+        specs = [EpisodeSpec(task_id=i, group_id=i) for i in range(4)]
+        t = time.time()
+        ntok = 0
+        for sp in specs:
+            trajs, st = asyncio.run(run_rollout([sp], local_factory("babyai", {"levels": LEVELS}), be, chat, params,
+                                                turns, 2048))
+            ntok += st.generated_tokens
+        rows.append({"section": "rollout", "backend": name, "episodes": "4 sequential", "rollout_tok_s":
+                     ntok / (time.time() - t)})
+        print(rows[-1], flush=True)
+        if hasattr(be, "close"):
+            be.close()
+        del be
+    return rows
+
+
+def _roofline(dtype, n=1024, reps=5) -> float:
+    import torch
+
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    a @ b
+    t = time.time()
+    for _ in range(reps):
+        a @ b
+    return 2 * n ** 3 * reps / (time.time() - t) / 1e9
+
+
+def bench_update(seqs: int, length: int, engines: list[str]) -> list[dict]:
+    import torch
+
+    from core.trajectory import Trajectory
+    from tasks.backends.learner import LearnerConfig, TorchLearner
+    from tasks.backends.model import resolve_model
+
+    path = resolve_model("smollm2-135m")
+    n_params = 134.5e6
+    rows = [{"section": "update", "engine": "matmul roofline", "precision": p,
+             "gflops": _roofline(torch.float32 if p == "fp32" else torch.bfloat16)} for p in ("fp32", "bf16")]
+    for r in rows:
+        # a GRPO step per trained token ~ policy fwd+bwd (6N) + old/ref forwards (2N each) = 10N flops
+        r["tok_s_bound"] = r["gflops"] * 1e9 / (10 * n_params)
+        print(r, flush=True)
+    g = torch.Generator().manual_seed(0)
+    trajs, advs = [], []
+    for i in range(seqs):
+        t = Trajectory(task_id=i, group_id=i // 2)
+        ids = torch.randint(100, 40000, (length,), generator=g).tolist()
+        t.start(ids[: length // 4])
+        t.add_action(ids[length // 4:], [-1.0] * (length - length // 4))
+        trajs.append(t)
+        advs.append([(1.0 if i % 2 else -1.0) * m for m in t.loss_mask])
+    for eng in engines:
+        for autocast in (True, False):
+            cfg = LearnerConfig(lr=1e-6, kl_coef=0.001, micro_batch_size=4, bf16_autocast=autocast)
+            if eng == "deepspeed-zero2":
+                from tasks.backends.deepspeed_learner import DeepSpeedLearner
+
+                learner = DeepSpeedLearner(path, cfg, zero_stage=2)
+            else:
+                learner = TorchLearner(path, cfg)
+            learner.update(trajs[:2], advs[:2])  # warm-up
+            t = time.time()
+            st = learner.update(trajs, advs)
+            dt = time.time() - t
+            row = {"section": "update", "engine": eng, "precision": "bf16 autocast" if autocast else "fp32",
+                   "tok_s": seqs * length / dt, "step_s": dt}
+            rows.append(row)
+            print(row, flush=True)
+            del learner
+    return rows
+
+
+def bench_env(steps: int) -> list[dict]:
+    from envs.babyai.env import BabyAIEnv
+    from envs.client import EnvClient
+    from envs.spawn import EnvServerProcess
+
+    rng = random.Random(0)
+
+    def run(reset, step):
+        lat = []
+        ep = 0
+        acts = reset(ep)
+        while len(lat) < steps:
+            t = time.perf_counter()
+            done, acts2 = step(f"Action: {rng.choice(acts)}")
+            lat.append((time.perf_counter() - t) * 1e3)
+            acts = acts2 or acts
+            if done:
+                ep += 1
+                acts = reset(ep)
+        lat.sort()
+        return statistics.median(lat), lat[int(0.99 * (len(lat) - 1))]
+
+    env = BabyAIEnv(levels=LEVELS)
+
+    def lreset(i):
+        return env.reset(i)[1]["available_actions"]
+
+    def lstep(a):
+        r = env.step(a)
+        return r.done, r.info.get("available_actions")
+
+    p50l, p99l = run(lreset, lstep)
+    rows = [{"section": "env", "transport": "in-process", "p50_ms": p50l, "p99_ms": p99l}]
+    with EnvServerProcess("babyai", env_options={"levels": LEVELS}) as srv:
+        c = EnvClient(srv.url)
+        eid = c.create()
+
+        def hreset(i):
+            return c.reset(eid, i).info["available_actions"]
+
+        def hstep(a):
+            r = c.step(eid, a)
+            return r.terminated or r.truncated, r.info.get("available_actions")
+
+        p50h, p99h = run(hreset, hstep)
+        c.close(eid)
+    rows.append({"section": "env", "transport": "HTTP", "p50_ms": p50h, "p99_ms": p99h,
+                 "overhead_p50_ms": p50h - p50l, "overhead_p99_ms": p99h - p99l})
+    for r in rows:
+        print(r, flush=True)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = []
+    for r in rows:
+        lines.append("  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", choices=["rollout", "update", "env"], default=None)
+    ap.add_argument("--episodes", default="8,32,64")
+    ap.add_argument("--turns", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--backends", default="vllm,transformers")
+    ap.add_argument("--engines", default="torch,deepspeed-zero2")
+    ap.add_argument("--update-seqs", type=int, default=8)
+    ap.add_argument("--update-len", type=int, default=512)
+    ap.add_argument("--env-steps", type=int, default=500)
+    a = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    rows: list[dict] = []
+    if a.only in (None, "rollout"):
+        rows += bench_rollout([int(x) for x in a.episodes.split(",")], a.turns, a.new_tokens, a.backends.split(","))
+    if a.only in (None, "update"):
+        rows += bench_update(a.update_seqs, a.update_len, a.engines.split(","))
+    if a.only in (None, "env"):
+        rows += bench_env(a.env_steps)
+    out = Path(__file__).resolve().parent / "results" / f"engines-{a.only or 'all'}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(a), "rows": rows}, indent=2))
+    print("\n" + table(rows) + f"\n\nwritten {out}")
+
+
+if __name__ == "__main__":
+    main()

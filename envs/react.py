@@ -1,0 +1,64 @@
+"""ReAct-style action extraction shared by the text envs (pure functions, no env state).
+
+A reply is free text ending with a line ``Action: <action>``. Rules:
+
+* every ``Action:`` line (any case, markdown emphasis like ``**Action:**`` tolerated) is collected;
+  lines naming the same action (after ``normalize``) count once, different ones are an error
+  ("one action per turn");
+* without an ``Action:`` line, a reply that is a single non-empty line is taken as the bare action
+  (clients that send just ``inventory``); anything longer is "no action found".
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+_ACTION_LINE = re.compile(r"^[\s>*_#-]*action\s*[*_]*\s*:\s*[*_]*(.*?)\s*$", re.IGNORECASE | re.MULTILINE)
+_STRIP = " \t\"'`*_"
+
+
+@dataclass(frozen=True)
+class Extracted:
+    action: Optional[str]  # the action text (normalized), or None
+    error: Optional[str]  # why no action was taken, or None
+
+    @property
+    def ok(self) -> bool:
+        return self.action is not None
+
+
+def default_normalize(text: str) -> str:
+    """Lower case, single spaces, no surrounding quotes/backticks, no trailing full stop."""
+    text = text.strip().strip(_STRIP).strip()
+    text = re.sub(r"[.!]+$", "", text).strip()
+    return " ".join(text.lower().split())
+
+
+def action_lines(reply: str) -> list[str]:
+    """The raw texts after every ``Action:`` line, in order."""
+    return [m.group(1) for m in _ACTION_LINE.finditer(reply or "")]
+
+
+def extract_action(reply: str, normalize: Callable[[str], str] = default_normalize) -> Extracted:
+    """The one action a reply asks for, or why there is none (see the module doc)."""
+    if not isinstance(reply, str) or not reply.strip():
+        return Extracted(None, "the reply is empty; end it with one line 'Action: <action>'")
+    found = [normalize(a) for a in action_lines(reply)]
+    found = [a for a in found if a]
+    if found:
+        distinct = list(dict.fromkeys(found))
+        if len(distinct) > 1:
+            shown = ", ".join(repr(a) for a in distinct[:3])
+            return Extracted(None, f"one action per turn, but the reply has {len(distinct)} different Action lines "
+                                   f"({shown})")
+        return Extracted(distinct[0], None)
+    if action_lines(reply):
+        return Extracted(None, "the Action line is empty")
+    lines = [ln for ln in reply.strip().splitlines() if ln.strip()]
+    if len(lines) == 1:
+        bare = normalize(lines[0])
+        if bare:
+            return Extracted(bare, None)
+    return Extracted(None, "no action found; end your reply with one line 'Action: <action>'")

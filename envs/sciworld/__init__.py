@@ -1,0 +1,1 @@
+"""ScienceWorld as a ScalingInter environment: ``SciWorldEnv`` in ``envs.sciworld.env`` (JVM pool in ``jvm``)."""

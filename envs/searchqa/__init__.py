@@ -1,0 +1,1 @@
+"""Deep search: retrieval QA over a local corpus (``SearchQAEnv`` in ``envs.searchqa.env``)."""

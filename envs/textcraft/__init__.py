@@ -1,0 +1,1 @@
+"""TextCraft (Minecraft crafting in text) as a ScalingInter environment: ``TextCraftEnv`` in ``envs.textcraft.env``."""

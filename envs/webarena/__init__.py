@@ -1,0 +1,1 @@
+"""WebArena-format web tasks in a real browser: ``WebArenaEnv`` in ``envs.webarena.env``."""

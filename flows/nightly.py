@@ -1,0 +1,134 @@
+"""Nightly evaluation: score the latest registered checkpoint of an env on its held-out test split, log it to
+MLflow (experiment ``nightly-eval``), and flag a regression against the previous night.
+
+Deployed as ``nightly-eval/<env>`` (cron 02:00 UTC, see prefect.yaml). The flow run ends Failed with a
+``REGRESSION: ...`` message when tonight's success rate is below last night's by more than the tolerance,
+Completed otherwise; either way a markdown artifact ``nightly-<env>`` shows both nights side by side.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from pathlib import Path
+from typing import Any
+
+from prefect import flow
+from prefect.states import Completed, Failed, State
+from pydantic import BaseModel, ConfigDict, Field
+
+from core.compare import Verdict, check_regression, markdown_table
+
+
+class NightlySettings(BaseModel):
+    """Settings of a nightly evaluation (a form in the Prefect UI)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    n: int = Field(16, ge=1, description="Held-out test tasks scored (greedy).")
+    turn_limit: int | None = Field(None, ge=1, description="Turn limit (default: the phase's turn limit the "
+                                                           "checkpoint was trained at).")
+    max_new_tokens: int | None = Field(None, ge=1, description="Default: the training run's rollout setting.")
+    metric: str = Field("success_rate", description="Metric watched for regressions.")
+    tolerance: float = Field(0.05, ge=0, description="Allowed absolute drop vs the previous night.")
+    tracking_uri: str | None = Field(None, description="MLflow URI (default: $MLFLOW_TRACKING_URI or "
+                                                        "<output_dir>/mlflow.db).")
+    output_dir: str = Field("runs", description="Local folder for the checkpoint cache and the default store.")
+    experiment: str = Field("nightly-eval", description="MLflow experiment of the nightly runs.")
+
+
+def latest_version(client: Any, env: str) -> Any | None:
+    from tasks.tracking import registered_model_name
+
+    try:
+        mvs = client.search_model_versions(f"name='{registered_model_name(env)}'",
+                                           order_by=["version_number DESC"], max_results=1)
+    except Exception:  # noqa: BLE001 — no such model yet
+        return None
+    return mvs[0] if mvs else None
+
+
+def previous_night(client: Any, experiment_id: str, env: str) -> dict[str, float] | None:
+    runs = client.search_runs([experiment_id], filter_string=f"tags.env = '{env}' and attributes.status = 'FINISHED'",
+                              order_by=["attributes.start_time DESC"], max_results=1)
+    return dict(runs[0].data.metrics) if runs else None
+
+
+def _training_config(env: str, model_dir: Path):
+    """The training run's config stored in the checkpoint's trainer_state.json (env options, rollout), else
+    the env's defaults."""
+    from core.config import RunConfig, build_config
+
+    from pydantic import ValidationError
+
+    path = model_dir / "trainer_state.json"
+    state = json.loads(path.read_text()) if path.exists() else {}
+    if state.get("config"):
+        try:
+            return RunConfig.model_validate(state["config"]), state
+        except ValidationError as e:  # a config from an older version: fall back to the env's defaults
+            print(f"the checkpoint's config does not validate any more ({e.error_count()} errors); using defaults")
+    return build_config(env), state
+
+
+@flow(name="nightly-eval", log_prints=True)
+def nightly_eval(env: str = "babyai", settings: NightlySettings = NightlySettings()) -> State:
+    """Evaluate the latest registered checkpoint of ``env`` on its test split and compare with last night.
+
+    Args:
+        env: Environment whose latest registered model version (scalinginter-<env>) is evaluated.
+        settings: Number of test tasks, turn limit, regression metric and tolerance, MLflow location.
+    """
+    from envs.base import task_index
+    from flows.scalinginter import local_model_dir
+    from tasks import steps as T
+    from tasks.artifacts import artifact_key, publish_markdown
+    from tasks.tracking import Tracker, default_tracking_uri, registered_model_name
+
+    s = settings
+    uri = default_tracking_uri(s.output_dir, s.tracking_uri)
+    tracker = Tracker(uri, s.experiment, artifact_root=Path(s.output_dir).resolve() / "mlartifacts")
+    key = artifact_key("nightly", env)
+    mv = latest_version(tracker.client, env)
+    if mv is None:
+        msg = f"no registered checkpoint for {env} (model {registered_model_name(env)!r} at {uri}); nothing to evaluate"
+        publish_markdown(key, f"# Nightly eval {env}\n\n{msg}\n", f"nightly eval of {env}")
+        print(msg)
+        return Completed(message=msg)
+    ckpt = mv.tags.get("scalinginter.checkpoint_uri") or mv.source
+    from core.config import RunConfig
+
+    bootstrap = RunConfig.model_validate({"env": {"name": env}, "output_dir": s.output_dir})
+    model_dir = Path(local_model_dir(bootstrap, ckpt))
+    cfg, state = _training_config(env, model_dir)
+    cfg = cfg.model_copy(update={"output_dir": s.output_dir})
+    turn_limit = s.turn_limit or int(mv.tags.get("turn_limit") or state.get("turn_limit") or cfg.eval_turn_limit)
+    max_new = s.max_new_tokens or cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
+    print(f"nightly eval of {env}: model {mv.name} v{mv.version} ({ckpt}), {s.n} test tasks, {turn_limit} turns")
+    previous = previous_night(tracker.client, tracker.experiment_id, env)
+    metrics = T.score_model(cfg, str(model_dir), [task_index("test", i) for i in range(s.n)], turn_limit, max_new)
+    verdict: Verdict = check_regression(metrics, previous, s.metric, s.tolerance)
+    night = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
+    run_id = tracker.start_run(f"nightly-{env}-{night}-v{mv.version}", resume=False, params={
+        "env": env, "model_name": mv.name, "model_version": mv.version, "checkpoint": ckpt, "n": s.n,
+        "turn_limit": turn_limit, "max_new_tokens": max_new, "metric": s.metric, "tolerance": s.tolerance},
+        tags={"env": env, "model_version": str(mv.version), "regression": str(verdict.regressed).lower()})
+    tracker.log_metrics(run_id, metrics, step=0)
+    tracker.end_run(run_id, "FINISHED")
+
+    def f(d: dict[str, float] | None, k: str) -> str:
+        return f"{d[k]:.3f}" if d and k in d else "-"
+
+    rows = [("model", f"{mv.name} v{mv.version} (phase {mv.tags.get('phase', '?')}, run "
+                      f"{mv.tags.get('run_name', '?')})"),
+            ("checkpoint URI", f"`{ckpt}`"), ("tasks", f"{s.n} (test split, greedy, {turn_limit} turns)")]
+    rows += [(k, f"{f(metrics, k)} (previous night {f(previous, k)})")
+             for k in ("success_rate", "mean_reward", "mean_turns")]
+    rows += [("verdict", verdict.message), ("MLflow run", run_id)]
+    title = ("REGRESSION" if verdict.regressed else "OK")
+    publish_markdown(key, f"# Nightly eval {env}: {title}\n\n" + markdown_table(rows, ("", "tonight")),
+                     f"nightly eval of {env}: {verdict.message}")
+    print(verdict.message)
+    if verdict.regressed:
+        return Failed(message=verdict.message)
+    return Completed(message=verdict.message)

@@ -1,0 +1,112 @@
+"""PPO critic: a scalar value head on its own copy of a causal-LM backbone (the policy's initial model by
+default, or any smaller HF model sharing the tokenizer), trained with the clipped value loss.
+
+``values[b, t]`` is the value of the state *before* token t (read from the hidden state at t - 1), so it
+lines up with ``logp[b, t]`` = log p(token t | tokens < t): the value of the decision that produced token t.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from core.losses import clipped_value_loss
+
+
+class ValueModel(torch.nn.Module):
+    def __init__(self, backbone: torch.nn.Module, hidden: int):
+        super().__init__()
+        self.backbone = backbone
+        self.head = torch.nn.Linear(hidden, 1)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+
+    def forward(self, ids: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        h = self.backbone(input_ids=ids, attention_mask=att).last_hidden_state
+        v = self.head(h.float()).squeeze(-1)  # value of the state after token t
+        return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)  # shift: state before token t
+
+
+def _load_backbone(path: str):
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    backbone = lm.base_model
+    backbone.config.use_cache = False
+    return backbone, int(lm.config.hidden_size)
+
+
+class Critic:
+    def __init__(self, model_path: str, lr: float, value_clip: float = 0.2, micro_batch_size: int = 4,
+                 bf16_autocast: bool = True, grad_clip: float = 1.0, pad_id: int = 0):
+        backbone, hidden = _load_backbone(model_path)
+        self.net = ValueModel(backbone, hidden)
+        self.net.train()
+        self.lr, self.value_clip, self.mb, self.bf16, self.grad_clip, self.pad_id = (
+            lr, value_clip, micro_batch_size, bf16_autocast, grad_clip, pad_id)
+        self.opt = torch.optim.AdamW(self.net.parameters(), lr=lr, weight_decay=0.0)
+
+    def _autocast(self):
+        return torch.autocast("cpu", dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
+
+    def _pad(self, seqs: Sequence[Sequence[int]]):
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+        att = torch.zeros((len(seqs), width), dtype=torch.long)
+        for r, s in enumerate(seqs):
+            ids[r, : len(s)] = torch.tensor(list(s), dtype=torch.long)
+            att[r, : len(s)] = 1
+        return ids, att
+
+    @torch.no_grad()
+    def values(self, seqs: Sequence[Sequence[int]]) -> list[list[float]]:
+        out: list[list[float]] = []
+        for s in range(0, len(seqs), self.mb):
+            chunk = seqs[s:s + self.mb]
+            ids, att = self._pad(chunk)
+            with self._autocast():
+                v = self.net(ids, att).float()
+            out += [v[r, : len(c)].tolist() for r, c in enumerate(chunk)]
+        return out
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+    def accumulate(self, seqs, old_values: torch.Tensor, returns: torch.Tensor, weights: torch.Tensor
+                   ) -> dict[str, float]:
+        """Forward/backward one micro-batch (tensors padded to the micro-batch width)."""
+        ids, att = self._pad(seqs)
+        with self._autocast():
+            v = self.net(ids, att).float()
+        loss, st = clipped_value_loss(v, old_values, returns, weights, self.value_clip)
+        loss.backward()
+        return st
+
+    def step(self) -> float:
+        gn = torch.nn.utils.clip_grad_norm_(self.net.parameters(), self.grad_clip)
+        self.opt.step()
+        return float(gn)
+
+    # -- checkpoints: <dir>/critic/{model.pt, optimizer.pt} -------------------------------------------
+    def save(self, directory: Path) -> None:
+        d = Path(directory) / "critic"
+        d.mkdir(parents=True, exist_ok=True)
+        torch.save(self.net.state_dict(), d / "model.pt")
+        names = {id(p): n for n, p in self.net.named_parameters()}
+        torch.save({names[id(p)]: self.opt.state[p] for g in self.opt.param_groups for p in g["params"]
+                    if p in self.opt.state}, d / "optimizer.pt")
+
+    def load(self, directory: Path) -> bool:
+        d = Path(directory) / "critic"
+        if not (d / "model.pt").exists():
+            return False
+        self.net.load_state_dict(torch.load(d / "model.pt", weights_only=False))
+        if (d / "optimizer.pt").exists():
+            by_name = dict(self.net.named_parameters())
+            for n, st in torch.load(d / "optimizer.pt", weights_only=False).items():
+                if n in by_name:
+                    self.opt.state[by_name[n]] = st
+        return True

@@ -1,0 +1,444 @@
+"""DeepSpeed ZeRO learner: ``TorchLearner``'s algorithm with DeepSpeed's engine underneath.
+
+Only the engine-specific parts are overridden — model/optimizer setup (``deepspeed.initialize``), the
+``_zero_grad`` / ``_backward`` / ``_step`` hooks, checkpoints — so the loss and the update loop stay the
+torch learner's. Configs live in ``infra/deepspeed/zero{1,2,3}.json`` (+ ``zero2_offload.json``:
+DeepSpeed's CPU Adam with the optimizer offloaded; its C++ op compiles once, ~60 s).
+
+Checkpoints: the top level of the folder is a world-size-free HF model (ZeRO-3 weights gathered on save),
+tokenizer, ``trainer_state.json`` and ``rng.pt`` — what every other part of the system reads. DeepSpeed's
+own (partitioned) optimizer state goes to ``deepspeed/`` and is restored only when the world size and ZeRO
+stage match; otherwise training continues from the HF weights with a fresh optimizer (a warning says so).
+
+One rank runs in-process (``DeepSpeedLearner``). More ranks: ``DeepSpeedRemoteLearner`` launches
+``torchrun --nproc_per_node N -m tasks.backends.deepspeed_learner`` and drives the ranks over a local socket;
+each rank trains on an equal share of the batch (data parallel; gradients averaged by DeepSpeed).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from core.trajectory import Trajectory
+from tasks.backends.learner import LearnerConfig, Prepared, TorchLearner
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CONFIG_DIR = REPO_ROOT / "infra" / "deepspeed"
+
+
+# --- config (pure) ------------------------------------------------------------------------------------------
+def ds_config(stage: int, cfg: LearnerConfig, *, offload_optimizer: bool = False, bf16_weights: bool = False,
+              path: str | os.PathLike | None = None) -> dict[str, Any]:
+    """The DeepSpeed config dict: the JSON for ``stage`` (or ``path``) with this run's grad clip, lr and
+    precision filled in."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
+    if path is None:
+        name = "zero2_offload.json" if offload_optimizer else f"zero{max(stage, 1)}.json"
+        path = CONFIG_DIR / name
+    conf = json.loads(Path(path).read_text())
+    conf = copy.deepcopy(conf)
+    conf.pop("train_batch_size", None)  # DeepSpeed derives it: micro x accumulation x world size
+    conf["gradient_accumulation_steps"] = 1  # the learner accumulates micro-batches itself (one step per mini-batch)
+    conf["train_micro_batch_size_per_gpu"] = conf.get("train_micro_batch_size_per_gpu", 1)
+    conf["gradient_clipping"] = cfg.grad_clip
+    conf.setdefault("zero_optimization", {})["stage"] = stage
+    if offload_optimizer:
+        conf["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+        conf["optimizer"] = {"type": "AdamW", "params": {"lr": cfg.lr, "weight_decay": cfg.weight_decay}}
+    elif "optimizer" in conf:
+        conf["optimizer"].setdefault("params", {}).update(lr=cfg.lr, weight_decay=cfg.weight_decay)
+    conf["bf16"] = {"enabled": bool(bf16_weights)}
+    conf["zero_allow_untested_optimizer"] = True
+    return conf
+
+
+def shard_for_rank(live: list[int], rank: int, world: int) -> list[int]:
+    """An equal share of ``live`` for ``rank`` (interleaved; the ``len(live) % world`` leftovers are dropped so
+    every rank runs the same number of collective steps)."""
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"bad rank {rank} of world {world}")
+    per = len(live) // world
+    return live[rank::world][:per]
+
+
+def shard_prepared(p: Prepared, rank: int, world: int) -> Prepared:
+    """This rank's share of a ``Prepared`` batch, re-indexed to the sub-list of trajectories it trains on."""
+    ks = shard_for_rank(list(range(len(p.live))), rank, world)
+
+    def pick(rows):
+        return None if rows is None else [rows[k] for k in ks]
+
+    return Prepared(live=list(range(len(ks))), seqs=pick(p.seqs), old=pick(p.old), ref=pick(p.ref),
+                    values=pick(p.values), stats=dict(p.stats))
+
+
+def _ensure_dist() -> None:
+    import deepspeed
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return
+    if "RANK" not in os.environ:  # a single in-process rank
+        from envs.spawn import free_port
+
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    deepspeed.init_distributed(dist_backend=backend)
+
+
+class DeepSpeedLearner(TorchLearner):
+    def __init__(self, model_path: str, cfg: LearnerConfig, reference_path: str | None = None, *,
+                 zero_stage: int = 2, offload_optimizer: bool = False, bf16_weights: bool = False,
+                 config_path: str | None = None):
+        import deepspeed
+
+        _ensure_dist()
+        super().__init__(model_path, cfg, reference_path)  # tokenizer, fp32 policy, frozen reference, AdamW
+        self.zero_stage = zero_stage
+        self.ds_conf = ds_config(zero_stage, cfg, offload_optimizer=offload_optimizer, bf16_weights=bf16_weights,
+                                 path=config_path)
+        client_opt = None if "optimizer" in self.ds_conf else self.opt
+        self.engine, self.opt, _, _ = deepspeed.initialize(model=self.model, optimizer=client_opt,
+                                                           model_parameters=self.model.parameters() if client_opt is None else None,
+                                                           config=self.ds_conf)
+        self.model = self.engine.module
+        self.device = self.engine.device
+        if self.ref is not None and self.device.type != "cpu":
+            self.ref.to(self.device)
+
+    @property
+    def rank(self) -> int:
+        return torch.distributed.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return torch.distributed.get_world_size()
+
+    # -- device handling (GPU: forward on the engine's device, results back on CPU for the loss code) -----
+    def _autocast(self):
+        if self.cfg.bf16_autocast:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def _token_logp(self, model, ids, att, with_entropy: bool = False, need=None):
+        if self.device.type == "cpu":
+            return super()._token_logp(model, ids, att, with_entropy, need)
+        logp, ent = super()._token_logp(model, ids.to(self.device), att.to(self.device), with_entropy,
+                                        need.to(self.device) if need is not None else None)
+        return logp.cpu(), (ent.cpu() if ent is not None else None)
+
+    # -- engine hooks -----------------------------------------------------------------------------------
+    # The torch learner calls _zero_grad, then _backward once per micro-batch, then _step; how many micro-batches
+    # a mini-batch has is its business. So every real micro-batch is a non-boundary DeepSpeed micro-step
+    # (gradients accumulate), and _step closes the window with a zero-valued boundary backward of one token
+    # (it reaches every parameter, so ZeRO's reduction hooks fire at any stage), then steps.
+    def _zero_grad(self) -> None:
+        self.engine.zero_grad()
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        self.engine.set_gradient_accumulation_boundary(False)
+        self.engine.backward(loss.to(self.device) if loss.device != self.device else loss)
+
+    def _step(self) -> float:
+        self.engine.set_gradient_accumulation_boundary(True)
+        ids = torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.device)
+        with self._autocast():
+            zero = self.model(input_ids=ids).logits.float().sum() * 0.0
+        self.engine.backward(zero)
+        self.engine.step()  # clips to gradient_clipping, steps, zeroes the grads
+        gn = self.engine.get_global_grad_norm()
+        return float(gn) if gn is not None else 0.0
+
+    # -- update over this rank's share ----------------------------------------------------------------------
+    def update_shard(self, trajs: list[Trajectory], advantages: list[list[float]], prepared: Prepared | None = None,
+                     returns: list[list[float]] | None = None) -> dict[str, float]:
+        """Every rank gets the whole batch (and has prepared it) and trains on its equal share."""
+        p = prepared if prepared is not None else self.prepare(trajs)
+        sub = shard_prepared(p, self.rank, self.world_size)
+        if not sub.live:
+            return {"skipped": 1.0}
+        idx = [p.live[k] for k in shard_for_rank(list(range(len(p.live))), self.rank, self.world_size)]
+        st = self.update([trajs[i] for i in idx], [advantages[i] for i in idx], prepared=sub,
+                         returns=[returns[i] for i in idx] if returns is not None else None)
+        st["dropped_for_sharding"] = float(len(p.live) - len(idx) * self.world_size)
+        return st
+
+    # -- weights and checkpoints --------------------------------------------------------------------------
+    def _full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's weights on rank 0 (ZeRO-3: gathered from all ranks; every rank must call)."""
+        if self.zero_stage == 3:
+            sd = self.engine._zero3_consolidated_16bit_state_dict()
+            return sd if self.rank == 0 else None
+        return self.model.state_dict() if self.rank == 0 else None
+
+    def save_weights(self, directory: Path) -> None:
+        """HF folder with the model weights only (for the generation engine to reload). Collective."""
+        sd = self._full_state_dict()
+        if self.rank == 0:
+            directory = Path(directory)
+            directory.mkdir(parents=True, exist_ok=True)
+            self.model.config.use_cache = True
+            self.model.save_pretrained(directory, state_dict={k: v.detach().cpu() for k, v in sd.items()})
+            self.model.config.use_cache = False
+        self._barrier()
+
+    def save(self, directory: Path, trainer_state: dict[str, Any]) -> None:
+        directory = Path(directory)
+        self.save_weights(directory)
+        if self.rank == 0:
+            self.tokenizer.save_pretrained(directory)
+            torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, directory / "rng.pt")
+            (directory / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
+        self.engine.save_checkpoint(str(directory / "deepspeed"), tag="state", save_latest=False)
+        if self.rank == 0:
+            (directory / "deepspeed" / "layout.json").write_text(json.dumps(
+                {"world_size": self.world_size, "zero_stage": self.zero_stage}))
+        self._barrier()
+
+    def load_training_state(self, directory: Path, weights: bool = True) -> dict[str, Any]:
+        directory = Path(directory)
+        ds_dir = directory / "deepspeed"
+        layout_file = ds_dir / "layout.json"
+        layout = json.loads(layout_file.read_text()) if layout_file.exists() else None
+        if layout == {"world_size": self.world_size, "zero_stage": self.zero_stage}:
+            self.engine.load_checkpoint(str(ds_dir), tag="state", load_optimizer_states=True,
+                                        load_lr_scheduler_states=False, load_module_only=False)
+        else:
+            if weights:
+                self._load_hf_weights(directory)
+            if layout is not None or (directory / "optimizer.pt").exists():
+                warnings.warn(f"optimizer state in {directory} is for another layout ({layout or 'torch learner'}, "
+                              f"here world_size={self.world_size}, zero_stage={self.zero_stage}): continuing with "
+                              f"the checkpoint's weights and a fresh optimizer", stacklevel=2)
+        rng_file = directory / "rng.pt"
+        if rng_file.exists():
+            rng = torch.load(rng_file, weights_only=False)
+            torch.set_rng_state(rng["torch"])
+            random.setstate(rng["python"])
+        state_file = directory / "trainer_state.json"
+        return json.loads(state_file.read_text()) if state_file.exists() else {}
+
+    def _load_hf_weights(self, directory: Path) -> None:
+        from tasks.backends.learner import load_causal_lm
+
+        fresh = load_causal_lm(str(directory)).state_dict()
+        if self.zero_stage == 3:
+            import deepspeed
+
+            params = dict(self.model.named_parameters())
+            with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0):
+                if self.rank == 0:
+                    for n, p in params.items():
+                        p.data.copy_(fresh[n])
+        else:
+            self.model.load_state_dict(fresh)
+        restore = getattr(self.engine.optimizer, "_restore_from_bit16_weights", None)
+        if restore is not None:  # ZeRO keeps its own fp32 partitions: refresh them from the module
+            restore()
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            torch.distributed.barrier()
+
+    def close(self) -> None:
+        self.engine = None
+
+
+# --- multi-rank: torchrun workers driven over a local socket -------------------------------------------------
+
+
+class DeepSpeedRemoteLearner:
+    """The learner protocol (update / save / save_weights / load_training_state) over ``ranks`` torchrun
+    processes on this machine. The driver holds no model: generation must use its own engine (vLLM)."""
+
+    def __init__(self, model_path: str, cfg: LearnerConfig, reference_path: str | None = None, *, ranks: int = 2,
+                 zero_stage: int = 2, offload_optimizer: bool = False, bf16_weights: bool = False,
+                 config_path: str | None = None, threads_per_rank: int | None = None,
+                 startup_timeout_s: float = 600.0, log_path: str | None = None):
+        from multiprocessing.connection import Listener
+
+        from envs.spawn import free_port
+        from transformers import AutoTokenizer
+
+        if ranks < 2:
+            raise ValueError("DeepSpeedRemoteLearner is for ranks >= 2; use DeepSpeedLearner in-process for 1")
+        self.cfg = cfg
+        self.ranks = ranks
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = None  # lives in the ranks
+        authkey = os.urandom(16)
+        self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        spec = {"model_path": model_path, "reference_path": reference_path, "cfg": asdict(cfg),
+                "zero_stage": zero_stage, "offload_optimizer": offload_optimizer, "bf16_weights": bf16_weights,
+                "config_path": config_path, "address": list(self._listener.address), "authkey": authkey.hex(),
+                "threads": threads_per_rank or max(1, (os.cpu_count() or 1) // ranks)}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+               f"--master_port={free_port()}", "-m", "tasks.backends.deepspeed_learner", "--worker"]
+        env = dict(os.environ, SCALINGINTER_DS_WORKER=json.dumps(spec), OMP_NUM_THREADS=str(spec["threads"]),
+                   PYTHONPATH=os.pathsep.join([str(REPO_ROOT)] + ([os.environ["PYTHONPATH"]]
+                                                                   if os.environ.get("PYTHONPATH") else [])))
+        self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(cmd, cwd=str(REPO_ROOT), env=env, stdin=subprocess.DEVNULL,
+                                     stdout=self._log, stderr=subprocess.STDOUT if log_path else None,
+                                     start_new_session=True)
+        self._conns: dict[int, Any] = {}
+        self._listener._listener._socket.settimeout(5.0)
+        deadline = time.monotonic() + startup_timeout_s
+        while len(self._conns) < ranks:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"DeepSpeed ranks exited with code {self.proc.returncode} during startup")
+            if time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"DeepSpeed ranks not ready after {startup_timeout_s:g} s")
+            try:
+                conn = self._listener.accept()
+            except (socket.timeout, TimeoutError):
+                continue
+            rank = conn.recv()
+            self._conns[int(rank)] = conn
+        for c in self._conns.values():  # every rank reports after deepspeed.initialize
+            self._recv(c)
+
+    def _recv(self, conn):
+        while not conn.poll(1.0):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"DeepSpeed ranks exited with code {self.proc.returncode}")
+        ok, value = conn.recv()
+        if not ok:
+            raise RuntimeError(f"DeepSpeed rank failed: {value}")
+        return value
+
+    def _call(self, cmd: str, *args):
+        for c in self._conns.values():
+            c.send((cmd, args))
+        results = {r: self._recv(c) for r, c in self._conns.items()}
+        return results[0]
+
+    def prepare(self, trajs: list[Trajectory]) -> Prepared:
+        return self._call("prepare", trajs)  # every rank prepares (and keeps) the whole batch
+
+    def per_token(self, trajs: list[Trajectory], p: Prepared, which: str) -> list[list[float]]:
+        return TorchLearner.per_token(self, trajs, p, which)  # pure over ``p``
+
+    def update(self, trajs: list[Trajectory], advantages: list[list[float]], prepared: Prepared | None = None,
+               returns: list[list[float]] | None = None) -> dict[str, float]:
+        return self._call("update", trajs, advantages, prepared is not None, returns)
+
+    def save_weights(self, directory: Path) -> None:
+        self._call("save_weights", str(directory))
+
+    def save(self, directory: Path, trainer_state: dict[str, Any]) -> None:
+        self._call("save", str(directory), trainer_state)
+
+    def load_training_state(self, directory: Path, weights: bool = True) -> dict[str, Any]:
+        return self._call("load_training_state", str(directory), weights)
+
+    def sequence_logprobs(self, seqs: list[list[int]], reference: bool = False) -> list[list[float]]:
+        return self._call("sequence_logprobs", seqs, reference)
+
+    def close(self) -> None:
+        if getattr(self, "proc", None) is None:
+            return
+        try:
+            if self.proc.poll() is None:
+                for c in self._conns.values():
+                    try:
+                        c.send(("close", ()))
+                    except OSError:
+                        pass
+                try:
+                    self.proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    self.proc.terminate()
+                    self.proc.wait(10)
+        finally:
+            for c in self._conns.values():
+                c.close()
+            self._listener.close()
+            if self._log is not subprocess.DEVNULL:
+                self._log.close()
+            self.proc = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _worker() -> None:
+    """One torchrun rank: build the learner, then serve the driver's commands until ``close``."""
+    from multiprocessing.connection import Client
+
+    spec = json.loads(os.environ["SCALINGINTER_DS_WORKER"])
+    torch.set_num_threads(int(spec["threads"]))
+    conn = Client(tuple(spec["address"]), authkey=bytes.fromhex(spec["authkey"]))
+    conn.send(int(os.environ["RANK"]))
+    try:
+        learner = DeepSpeedLearner(spec["model_path"], LearnerConfig(**spec["cfg"]), spec["reference_path"],
+                                   zero_stage=spec["zero_stage"], offload_optimizer=spec["offload_optimizer"],
+                                   bf16_weights=spec["bf16_weights"], config_path=spec["config_path"])
+        conn.send((True, None))
+    except Exception as e:  # noqa: BLE001
+        conn.send((False, f"{type(e).__name__}: {e}"))
+        raise
+    prepared = None
+    while True:
+        cmd, args = conn.recv()
+        if cmd == "close":
+            break
+        try:
+            if cmd == "prepare":
+                prepared = out = learner.prepare(args[0])
+            elif cmd == "update":
+                trajs, advs, use_prepared, returns = args
+                out = learner.update_shard(trajs, advs, prepared if use_prepared else None, returns)
+                prepared = None
+            elif cmd == "save":
+                out = learner.save(Path(args[0]), args[1])
+            elif cmd == "save_weights":
+                out = learner.save_weights(Path(args[0]))
+            elif cmd == "load_training_state":
+                out = learner.load_training_state(Path(args[0]), args[1])
+            elif cmd == "sequence_logprobs":
+                out = learner.sequence_logprobs(*args)
+            else:
+                raise ValueError(f"unknown command {cmd!r}")
+            conn.send((True, out))
+        except Exception as e:  # noqa: BLE001
+            import traceback
+
+            conn.send((False, f"rank {os.environ.get('RANK')}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    conn.close()
+
+
+def make_learner(model_path: str, cfg: LearnerConfig, reference_path: str | None, section) -> Any:
+    """The DeepSpeed learner for a ``LearnerEngineConfig`` (``core.config``): in-process for one rank, torchrun
+    ranks otherwise."""
+    kw = dict(zero_stage=section.zero_stage, offload_optimizer=section.offload_optimizer,
+              config_path=section.config_path)
+    if section.ranks > 1:
+        if cfg.critic:
+            raise ValueError("a PPO critic is not data-parallel yet: use learner.ranks=1 with algo.estimator=ppo")
+        return DeepSpeedRemoteLearner(model_path, cfg, reference_path, ranks=section.ranks, **kw)
+    return DeepSpeedLearner(model_path, cfg, reference_path, **kw)
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    _worker()

@@ -1,0 +1,146 @@
+"""vLLM generation backend: output conversion (pure), and — with the real engine (slow) — that after a weight
+sync the engine scores a fixed sequence like the learner does, without restarting the engine."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+
+import pytest
+
+from tasks.backends.generation import SamplingParams
+from tasks.backends.vllm_backend import cpu_env, to_generation
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+class LP:  # vLLM's Logprob record (only .logprob is read)
+    def __init__(self, v):
+        self.logprob = v
+
+
+def test_to_generation_truncates_after_eos_and_reads_sampled_token_logprobs():
+    toks = [5, 7, 2, 9]
+    lps = [{5: LP(-0.1), 1: LP(-3.0)}, {7: LP(-0.2)}, {2: LP(-0.3)}, {9: LP(-0.4)}]
+    g = to_generation(toks, lps, eos_token_id=2, finish_reason="stop")
+    assert g.token_ids == [5, 7, 2] and g.logprobs == [-0.1, -0.2, -0.3] and g.finish == "stop"
+
+
+def test_to_generation_length_and_stop_without_eos():
+    g = to_generation([4, 4], [{4: LP(-1.0)}, {4: LP(-2.0)}], eos_token_id=2, finish_reason="length")
+    assert (g.token_ids, g.logprobs, g.finish) == ([4, 4], [-1.0, -2.0], "length")
+    # a stop string / stop token other than EOS ends the turn too
+    assert to_generation([4], [-0.5], eos_token_id=2, finish_reason="stop").finish == "stop"
+
+
+def test_to_generation_requires_one_logprob_per_token():
+    with pytest.raises(ValueError, match="log-probs"):
+        to_generation([1, 2, 3], [{1: LP(-1.0)}], eos_token_id=0, finish_reason="length")
+
+
+def test_cpu_env_binds_threads_and_sizes_kv_cache():
+    env = cpu_env(threads=2, kv_cache_gb=1.4)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert cpu_env(threads=1)["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+
+
+def test_config_accepts_vllm_and_rejects_unknown_backend():
+    from core.config import ConfigError, build_config
+
+    cfg = build_config("babyai", "tiny", ["rollout.backend=vllm", "rollout.vllm_dtype=float32"])
+    assert cfg.rollout.backend == "vllm" and cfg.rollout.vllm_dtype == "float32"
+    with pytest.raises(ConfigError, match="rollout.backend"):
+        build_config("babyai", "tiny", ["rollout.backend=sglang"])
+
+
+# --- the real engine ---------------------------------------------------------------------------------------
+def _fixed_sequence(tok):
+    msgs = [{"role": "user", "content": "You are in a room with a red ball. Where is the ball?"},
+            {"role": "assistant", "content": "The red ball is in front of me.\nAction: go to red ball 1"}]
+    ids = tok.apply_chat_template(msgs)
+    ids = list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
+    return ids
+
+
+def _max_mean_diff(a, b):
+    d = [abs(x - y) for x, y in zip(a[1:], b[1:])]
+    return max(d), sum(d) / len(d)
+
+
+def _engine_matches_learner_after_sync(device_ok: bool, dtype: str, autocast: bool, max_tol: float,
+                                       mean_tol: float):
+    import torch
+
+    from core.trajectory import Trajectory
+    from tasks.backends.learner import LearnerConfig, TorchLearner
+    from tasks.backends.model import resolve_model
+    from tasks.backends.vllm_backend import VLLMBackend, export_fn
+
+    path = resolve_model("smollm2-135m")
+    torch.manual_seed(0)
+    learner = TorchLearner(path, LearnerConfig(lr=1e-4, kl_coef=0.0, micro_batch_size=2, bf16_autocast=autocast,
+                                               temperature=1.0))
+    seq = _fixed_sequence(learner.tokenizer)
+    with VLLMBackend(path, learner.tokenizer.eos_token_id, dtype=dtype, enforce_eager=True, max_model_len=1024,
+                     export_weights=export_fn(learner)) as engine:
+        # sampled log-probs (temperature 1) agree with the learner's recomputation of the same tokens
+        prompt = seq[:-12]
+        gens = engine.generate([prompt] * 4, SamplingParams(16, 1.0))
+        trajs, advs = [], []
+        for i, g in enumerate(gens):
+            t = Trajectory(task_id=0, group_id=0)
+            t.start(prompt)
+            t.add_action(g.token_ids, g.logprobs)
+            trajs.append(t)
+            advs.append([(1.0 if i % 2 else -1.0) * m for m in t.loss_mask])
+        prep = learner.prepare(trajs)
+        assert prep.stats["logprob_mismatch"] < mean_tol * 2
+
+        before = engine.prompt_logprobs([seq])[0]
+        mx0, _ = _max_mean_diff(before, learner.sequence_logprobs([seq])[0])
+        assert mx0 < max_tol
+
+        learner.update(trajs, advs, prepared=prep)  # the learner moves; the engine has not seen it yet
+        want = learner.sequence_logprobs([seq])[0]
+        stale, _ = _max_mean_diff(engine.prompt_logprobs([seq])[0], want)
+        t0 = time.time()
+        engine.sync_weights()
+        sync_s = time.time() - t0
+        mx, mean = _max_mean_diff(engine.prompt_logprobs([seq])[0], want)
+        print(f"\n{dtype}: before update max {mx0:.2e}; stale max {stale:.2e}; after sync max {mx:.2e} "
+              f"mean {mean:.2e}; sync {sync_s:.2f}s")
+        assert stale > 2 * mx, "the update should move the log-probs more than the engine/learner noise"
+        assert mx < max_tol and mean < mean_tol
+        assert engine.syncs == 1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm not installed")
+def test_engine_logprobs_match_learner_after_weight_sync_fp32():
+    _engine_matches_learner_after_sync(True, "float32", autocast=False, max_tol=1e-3, mean_tol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm not installed")
+def test_engine_logprobs_match_learner_after_weight_sync_bf16():
+    _engine_matches_learner_after_sync(True, "bfloat16", autocast=True, max_tol=1.5, mean_tol=0.1)
+
+
+@pytest.mark.gpu
+def test_cuda_vllm_generates_and_syncs():
+    """The same engine on a CUDA build (``pip install .[gpu]``): generation and a weight reload."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or not HAS_VLLM:
+        pytest.skip("needs CUDA and vllm")
+    from tasks.backends.model import resolve_model
+    from tasks.backends.vllm_backend import VLLMBackend, is_cpu_build
+
+    if is_cpu_build():
+        pytest.skip("CPU build of vLLM")
+    path = resolve_model("smollm2-135m")
+    with VLLMBackend(path, 2, dtype="bfloat16", enforce_eager=True, max_model_len=1024,
+                     gpu_memory_utilization=0.2) as engine:
+        gens = engine.generate([[1, 2, 3, 4]] * 8, SamplingParams(8, 1.0))
+        assert all(len(g.token_ids) == len(g.logprobs) > 0 for g in gens)
+        assert engine.load_weights(Path(path)) < 60
