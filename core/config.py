@@ -36,7 +36,10 @@ class EnvConfig(_Strict):
 
 class ModelConfig(_Strict):
     path: str = Field("smollm2-135m", description="'smollm2-135m' (embedded GGUF) or an HF folder / hub id.")
-    bf16_autocast: bool = Field(True, description="bf16 autocast over fp32 master weights in the learner.")
+    bf16_autocast: bool | None = Field(
+        None, description="bf16 autocast over fp32 master weights (learner and transformers generation). None: on "
+                          "where the hardware has native bf16 (AMX / AVX512-BF16 CPU, bf16 GPU), off elsewhere "
+                          "(emulated bf16 on an AVX2 CPU is ~40x slower than fp32).")
     threads: int | None = Field(None, ge=1, description="torch CPU threads (default: all cores).")
 
 
@@ -80,7 +83,8 @@ class RolloutConfig(_Strict):
         "vllm", description="Generation backend: vllm (its own engine for the phase, ~20 s to start; weights synced "
                             "after each update; ~8x transformers' tok/s at 32 episodes on CPU) or transformers "
                             "(shares the learner's model; no start cost, for very short runs).")
-    vllm_dtype: Literal["bfloat16", "float32", "float16", "auto"] = Field("bfloat16", description="vLLM weights dtype.")
+    vllm_dtype: Literal["bfloat16", "float32", "float16", "auto"] | None = Field(
+        None, description="vLLM weights dtype. None: bfloat16 where the hardware has native bf16, else float32.")
     vllm_enforce_eager: bool = Field(True, description="vLLM: skip graph compilation (starts in ~15 s instead of "
                                                        "60-90 s on CPU, ~10 % slower generation).")
     vllm_kv_cache_gb: float = Field(1.0, gt=0, description="vLLM CPU KV cache size (GiB).")

@@ -74,6 +74,12 @@ async def _safe(coro: Awaitable[EnvReply]) -> EnvReply | Exception:
         return e
 
 
+def episode_seed(base: int, episode: int, turn: int) -> int:
+    """The sampling seed of one episode's turn: a pure function of the step's base seed, the episode's index in
+    the batch and the turn, so it does not depend on which other episodes are still running."""
+    return (base * 1_000_003 + episode * 10_007 + turn) % (2**31 - 1)
+
+
 async def run_rollout(
     specs: list[EpisodeSpec],
     make_env: Callable[[int], EpisodeEnv],
@@ -83,8 +89,10 @@ async def run_rollout(
     turn_limit: int,
     token_budget: int,
     on_round: Callable[[int, int, RolloutStats], None] | None = None,
+    seed: int | None = None,
 ) -> tuple[list[Trajectory], RolloutStats]:
-    """Run every episode in ``specs`` to its end; returns trajectories in the order of ``specs``."""
+    """Run every episode in ``specs`` to its end; returns trajectories in the order of ``specs``. With ``seed``,
+    each episode's turn is sampled with its own seed (``episode_seed``), for backends that take per-prompt seeds."""
     if turn_limit < 1:
         raise ValueError("turn_limit must be >= 1")
     stats = RolloutStats(episodes=len(specs))
@@ -122,7 +130,8 @@ async def run_rollout(
         gens = {}
         t0 = time.time()
         for cap, idx in by_cap.items():
-            p = SamplingParams(cap, params.temperature, params.top_p)
+            seeds = None if seed is None else tuple(episode_seed(seed, i, rnd) for i in idx)
+            p = SamplingParams(cap, params.temperature, params.top_p, seeds)
             for i, g in zip(idx, backend.generate([trajs[i].token_ids for i in idx], p)):
                 gens[i] = g
         stats.gen_time_s += time.time() - t0

@@ -94,6 +94,7 @@ def open_session(cfg: RunConfig, model_dir: str, train: bool, reference_dir: str
     import torch
 
     from tasks.backends.generation import TransformersBackend
+    from tasks.backends.hardware import resolve_bf16
     from tasks.backends.learner import LearnerConfig, TorchLearner, load_causal_lm
 
     _threads(cfg)
@@ -104,7 +105,7 @@ def open_session(cfg: RunConfig, model_dir: str, train: bool, reference_dir: str
         a = cfg.algo
         lc = LearnerConfig(lr=a.lr, weight_decay=a.weight_decay, kl_coef=a.kl_coef, clip=a.clip,
                            grad_clip=a.grad_clip, micro_batch_size=a.micro_batch_size, mini_batches=a.mini_batches,
-                           ppo_epochs=a.ppo_epochs, bf16_autocast=cfg.model.bf16_autocast,
+                           ppo_epochs=a.ppo_epochs, bf16_autocast=resolve_bf16(cfg.model.bf16_autocast),
                            temperature=cfg.rollout.temperature, loss_agg=a.loss_agg,
                            kl_in_loss=not get_estimator(a.estimator).kl_in_reward,
                            critic=get_estimator(a.estimator).needs_critic,
@@ -131,7 +132,7 @@ def open_session(cfg: RunConfig, model_dir: str, train: bool, reference_dir: str
         s.backend = backend_for(cfg, model_dir, s.tokenizer, s.learner)
     else:
         s.backend = TransformersBackend(s.model, s.tokenizer.eos_token_id, pad, cfg.rollout.gen_batch_size,
-                                        cfg.model.bf16_autocast)
+                                        resolve_bf16(cfg.model.bf16_autocast))
     s.chat = ChatFormat.from_tokenizer(s.tokenizer)
     key = uuid.uuid4().hex
     _SESSIONS[key] = s
@@ -170,7 +171,8 @@ def eval_tasks(n: int) -> list[int]:
 
 # --- rollout -------------------------------------------------------------------------------------------
 def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, turn_limit: int,
-             temperature: float, max_new_tokens: int, label: str) -> tuple[list[Trajectory], dict[str, float]]:
+             temperature: float, max_new_tokens: int, label: str,
+             seed: int | None = None) -> tuple[list[Trajectory], dict[str, float]]:
     from envs.agentgym import make_async_client
     from tasks.backends.generation import SamplingParams
     from tasks.env_sessions import HttpEpisode
@@ -190,7 +192,7 @@ def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, tur
                       f"{st.generated_tokens} tokens generated ({st.tokens_per_s:.0f} tok/s)", flush=True)
 
             return await run_rollout(specs, make, s.backend, s.chat, params, turn_limit,
-                                     s.cfg.rollout.token_budget, on_round)
+                                     s.cfg.rollout.token_budget, on_round, seed)
         finally:
             for c in clients:
                 await c.aclose()
@@ -206,7 +208,7 @@ def rollout_batch(key: str, urls: list[str], global_step: int, turn_limit: int) 
     r = s.cfg.rollout
     tasks = train_tasks_for_step(s.cfg, global_step)
     trajs, metrics = _rollout(s, urls, tasks, r.samples_per_task, turn_limit, r.temperature, r.max_new_tokens,
-                              f"step {global_step + 1}")
+                              f"step {global_step + 1}", seed=s.cfg.seed * 1_000_003 + global_step)
     for t in trajs:
         t.info["global_step"] = global_step
         t.info["turn_limit"] = turn_limit

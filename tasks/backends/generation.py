@@ -17,6 +17,10 @@ class SamplingParams:
     max_new_tokens: int
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
+    # one sampling seed per prompt, for engines with their own RNG (vLLM): a resumed run then samples exactly
+    # what the uninterrupted run sampled. None: the engine's own stream (transformers uses torch's global
+    # RNG, which the checkpoint restores).
+    seeds: tuple[int, ...] | None = None
 
 
 @dataclass

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from tasks.backends.generation import Generation, SamplingParams
+from tasks.backends.hardware import resolve_vllm_dtype
 
 TCMALLOC_CANDIDATES = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
                        "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc_minimal.so.4")
@@ -161,14 +162,14 @@ class VLLMBackend:
         self.max_model_len = max_model_len
 
     # -- generation ---------------------------------------------------------------------------------------
-    def _sampling(self, params: SamplingParams, n_prompt: int | None = None):
+    def _sampling(self, params: SamplingParams, seed: int | None = None):
         from vllm import SamplingParams as VSP
 
         greedy = params.temperature <= 0
         return VSP(n=1, max_tokens=params.max_new_tokens, temperature=0.0 if greedy else params.temperature,
                    top_p=1.0 if greedy else params.top_p, top_k=0, logprobs=0,
                    stop_token_ids=[self.eos_token_id], ignore_eos=False, skip_special_tokens=False,
-                   detokenize=False)
+                   detokenize=False, seed=None if greedy else seed)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         if not prompts:
@@ -179,8 +180,11 @@ class VLLMBackend:
         if too_long:
             raise ValueError(f"prompt of {max(too_long)} tokens + {params.max_new_tokens} new tokens exceeds the "
                              f"engine's max_model_len {self.max_model_len}: raise rollout.vllm_max_model_len")
-        outs = self._llm.generate([{"prompt_token_ids": list(p)} for p in prompts], self._sampling(params),
-                                  use_tqdm=False)
+        if params.seeds is not None and len(params.seeds) != len(prompts):
+            raise ValueError(f"{len(params.seeds)} seeds for {len(prompts)} prompts")
+        sampling = (self._sampling(params) if params.seeds is None
+                    else [self._sampling(params, seed) for seed in params.seeds])
+        outs = self._llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling, use_tqdm=False)
         gens = []
         for o in outs:
             c = o.outputs[0]
@@ -274,6 +278,7 @@ def export_fn(learner) -> Callable[[Path], None] | None:
 def backend_for(cfg, model_dir: str, tokenizer, learner=None) -> VLLMBackend:
     """The phase's engine for a ``RunConfig`` (``cfg.rollout`` / ``cfg.model``)."""
     r = cfg.rollout
-    return VLLMBackend(model_dir, tokenizer.eos_token_id, dtype=r.vllm_dtype, enforce_eager=r.vllm_enforce_eager,
+    return VLLMBackend(model_dir, tokenizer.eos_token_id, dtype=resolve_vllm_dtype(r.vllm_dtype),
+                       enforce_eager=r.vllm_enforce_eager,
                        max_model_len=r.token_budget + 1, seed=cfg.seed, threads=cfg.model.threads,
                        kv_cache_gb=r.vllm_kv_cache_gb, export_weights=export_fn(learner))
