@@ -95,6 +95,10 @@ class RolloutConfig(_Strict):
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (0 = greedy).")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     gen_batch_size: int = Field(32, ge=1, description="Max sequences per generate call.")
+    max_live_episodes: int | None = Field(
+        None, ge=1, description="Episodes running at once (train and eval); the next start as others end. None: "
+                                "all at once. Set it to what the env servers hold (browser contexts, JVMs) x "
+                                "env.num_servers.")
 
     @model_validator(mode="after")
     def _budget(self):

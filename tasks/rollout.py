@@ -90,37 +90,60 @@ async def run_rollout(
     token_budget: int,
     on_round: Callable[[int, int, RolloutStats], None] | None = None,
     seed: int | None = None,
+    max_live: int | None = None,
 ) -> tuple[list[Trajectory], RolloutStats]:
     """Run every episode in ``specs`` to its end; returns trajectories in the order of ``specs``. With ``seed``,
-    each episode's turn is sampled with its own seed (``episode_seed``), for backends that take per-prompt seeds."""
+    each episode's turn is sampled with its own seed (``episode_seed``), for backends that take per-prompt seeds.
+    With ``max_live``, at most that many episodes run at once; the next start as others finish."""
     if turn_limit < 1:
         raise ValueError("turn_limit must be >= 1")
+    if max_live is not None and max_live < 1:
+        raise ValueError("max_live must be >= 1 (or None for all episodes at once)")
     stats = RolloutStats(episodes=len(specs))
     t_start = time.time()
     envs = [make_env(i) for i in range(len(specs))]
     trajs = [Trajectory(task_id=s.task_id, group_id=s.group_id) for s in specs]
     texts: list[list[str]] = [[] for _ in specs]
 
-    t0 = time.time()
-    resets = await asyncio.gather(*[_safe(e.reset(s.task_id)) for e, s in zip(envs, specs)])
-    stats.env_time_s += time.time() - t0
+    pending = list(range(len(specs)))[::-1]  # popped from the end: episodes start in spec order
+    cap = len(specs) if max_live is None else max_live
     live: list[int] = []
-    for i, r in enumerate(resets):
-        if isinstance(r, Exception):
-            trajs[i].error = f"reset: {type(r).__name__}: {r}"
-            trajs[i].finish("env_error")
-            continue
-        prompt = chat.prompt_ids(r.instruction, r.observation)
-        trajs[i].info["first_observation"] = r.observation
-        if len(prompt) + 1 >= token_budget:
-            trajs[i].start(prompt)
-            trajs[i].finish("token_budget")
-            continue
-        trajs[i].start(prompt)
-        live.append(i)
 
+    async def admit() -> None:
+        """Reset pending episodes until ``cap`` are live (an env server with a bounded pool — browser contexts,
+        JVMs — then never sees more episodes than it can hold)."""
+        batch = [pending.pop() for _ in range(min(cap - len(live), len(pending)))]
+        if not batch:
+            return
+        t0 = time.time()
+        resets = await asyncio.gather(*[_safe(envs[i].reset(specs[i].task_id)) for i in batch])
+        stats.env_time_s += time.time() - t0
+        ended = []
+        for i, r in zip(batch, resets):
+            if isinstance(r, Exception):
+                trajs[i].error = f"reset: {type(r).__name__}: {r}"
+                trajs[i].finish("env_error")
+                ended.append(i)
+                continue
+            prompt = chat.prompt_ids(r.instruction, r.observation)
+            trajs[i].info["first_observation"] = r.observation
+            trajs[i].start(prompt)
+            if len(prompt) + 1 >= token_budget:
+                trajs[i].finish("token_budget")
+                ended.append(i)
+                continue
+            live.append(i)
+        await close(ended)
+
+    async def close(idx: list[int]) -> None:  # a finished episode gives its env (and its pool slot) back at once
+        await asyncio.gather(*[_safe(envs[i].close()) for i in idx])
+
+    await admit()
     rnd = 0
-    while live:
+    while live or pending:
+        if not live:  # every admitted episode ended at reset: admit the next ones
+            await admit()
+            continue
         rnd += 1
         room = {i: token_budget - len(trajs[i].token_ids) for i in live}
         # one generate call per distinct max_new_tokens (all equal unless the budget binds)
@@ -129,9 +152,9 @@ async def run_rollout(
             by_cap.setdefault(min(params.max_new_tokens, room[i]), []).append(i)
         gens = {}
         t0 = time.time()
-        for cap, idx in by_cap.items():
-            seeds = None if seed is None else tuple(episode_seed(seed, i, rnd) for i in idx)
-            p = SamplingParams(cap, params.temperature, params.top_p, seeds)
+        for n_new, idx in by_cap.items():
+            seeds = None if seed is None else tuple(episode_seed(seed, i, trajs[i].turns) for i in idx)
+            p = SamplingParams(n_new, params.temperature, params.top_p, seeds)
             for i, g in zip(idx, backend.generate([trajs[i].token_ids for i in idx], p)):
                 gens[i] = g
         stats.gen_time_s += time.time() - t0
@@ -171,11 +194,12 @@ async def run_rollout(
                 continue
             tr.add_env(env_ids)
             still.append(i)
-        live = still
+        await close(sorted(set(live) - set(still)))
+        live[:] = still
         if on_round is not None:
-            on_round(rnd, len(live), stats)
+            on_round(rnd, len(live) + len(pending), stats)
+        await admit()
 
-    await asyncio.gather(*[_safe(e.close()) for e in envs])
     for i, t in enumerate(trajs):
         t.info["replies"] = texts[i]
     stats.wall_time_s = time.time() - t_start

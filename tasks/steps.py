@@ -192,7 +192,7 @@ def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, tur
                       f"{st.generated_tokens} tokens generated ({st.tokens_per_s:.0f} tok/s)", flush=True)
 
             return await run_rollout(specs, make, s.backend, s.chat, params, turn_limit,
-                                     s.cfg.rollout.token_budget, on_round, seed)
+                                     s.cfg.rollout.token_budget, on_round, seed, s.cfg.rollout.max_live_episodes)
         finally:
             for c in clients:
                 await c.aclose()

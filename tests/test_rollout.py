@@ -148,3 +148,58 @@ def test_http_rollout_masks_episodes_of_a_dead_server_then_restart_recovers(toke
         again = run_http()
         assert not any(t.masked for t in again)
         assert [t.success for t in again] == [t.success for t in ok]  # deterministic tasks
+
+
+class Counting(LocalEpisode):
+    """Counts episodes holding an env at once (reset .. close), like a server's bounded pool would."""
+
+    live = 0
+    peak = 0
+    closed = 0
+
+    async def reset(self, data_idx):
+        Counting.live += 1
+        Counting.peak = max(Counting.peak, Counting.live)
+        return await super().reset(data_idx)
+
+    async def close(self):
+        Counting.live -= 1
+        Counting.closed += 1
+        await super().close()
+
+
+class SeedRecorder(Scripted):
+    def __init__(self, tok):
+        super().__init__(tok, ["Action: open door 1"])
+        self.seeds = []  # every per-prompt seed the backend was given
+
+    def generate(self, prompts, params):
+        assert params.seeds is not None and len(params.seeds) == len(prompts)
+        self.seeds += params.seeds
+        return super().generate(prompts, params)
+
+
+@pytest.mark.parametrize("max_live", [None, 1, 3])
+def test_max_live_bounds_concurrent_episodes_and_seeds_do_not_depend_on_it(tokenizer, max_live):
+    Counting.live = Counting.peak = Counting.closed = 0
+    chat = ChatFormat.from_tokenizer(tokenizer)
+    backend = SeedRecorder(tokenizer)
+    specs = [EpisodeSpec(t, t) for t in range(7)]
+    trajs, _ = asyncio.run(run_rollout(specs, lambda i: Counting(ToyEnv(hint=False)), backend, chat,
+                                       SamplingParams(16, 1.0), 2, 2048, seed=5, max_live=max_live))
+    assert Counting.peak == (7 if max_live is None else max_live)
+    assert Counting.live == 0 and Counting.closed == 7  # every env given back, once
+    assert all(t.finish_reason in ("success", "failure", "turn_limit") for t in trajs)
+    assert [t.task_id for t in trajs] == list(range(7))
+    # the seed of an episode's turn is a function of (seed, episode, turn), whatever ran beside it
+    from tasks.rollout import episode_seed
+
+    expected = [episode_seed(5, i, turn) for i, t in enumerate(trajs) for turn in range(t.turns)]
+    assert sorted(backend.seeds) == sorted(expected) and len(set(expected)) == len(expected)
+
+
+def test_max_live_must_be_positive(tokenizer):
+    chat = ChatFormat.from_tokenizer(tokenizer)
+    with pytest.raises(ValueError, match="max_live"):
+        asyncio.run(run_rollout([EpisodeSpec(0, 0)], lambda i: LocalEpisode(ToyEnv()), Scripted(tokenizer, ["x"]),
+                                chat, SamplingParams(8, 1.0), 1, 512, max_live=0))

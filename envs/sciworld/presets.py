@@ -1,8 +1,8 @@
 """Run presets of SciWorld (``scalinginter run sciworld --preset NAME``): partial ``RunConfig`` dicts.
 
-Each episode in flight holds one JVM (~500 MB): ``env.options.max_jvms`` (per server) must be at least the
-episodes in flight on a server: ``rollout.tasks_per_step * rollout.samples_per_task / env.num_servers``
-(and ``eval.n / env.num_servers``); an episode that cannot get a JVM within 30 s is masked.
+Each episode in flight holds one JVM (~500 MB): ``rollout.max_live_episodes`` is ``env.options.max_jvms`` (per
+server) times ``env.num_servers``, so larger steps and evals run in waves instead of waiting for a JVM (an
+episode that cannot get one within 30 s is masked).
 """
 
 from typing import Any
@@ -13,7 +13,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "env": {"options": {"max_jvms": 4, "jvm_heap_mb": 384}},
         "curriculum": {"phases": [{"turn_limit": 2, "steps": 1}, {"turn_limit": 3, "steps": 1},
                                   {"turn_limit": 4, "steps": 1}]},
-        "rollout": {"tasks_per_step": 1, "samples_per_task": 4, "max_new_tokens": 32, "token_budget": 1536,
+        "rollout": {"max_live_episodes": 4,
+                    "tasks_per_step": 1, "samples_per_task": 4, "max_new_tokens": 32, "token_budget": 1536,
                     "temperature": 0.7},
         "algo": {"lr": 2e-6, "kl_coef": 0.001, "micro_batch_size": 2},
         "eval": {"n": 4},
@@ -23,7 +24,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "env": {"options": {"max_jvms": 64}, "num_servers": 4},  # 64 JVMs per server
         "curriculum": {"phases": [{"turn_limit": 10, "steps": 100}, {"turn_limit": 20, "steps": 100},
                                   {"turn_limit": 30, "steps": 100}]},
-        "rollout": {"tasks_per_step": 32, "samples_per_task": 8, "max_new_tokens": 512, "token_budget": 14000},
+        "rollout": {"max_live_episodes": 256,
+                    "tasks_per_step": 32, "samples_per_task": 8, "max_new_tokens": 512, "token_budget": 14000},
         "algo": {"lr": 1e-6, "kl_coef": 0.001},
         "eval": {"n": 100},
     },
