@@ -158,6 +158,11 @@ def test_webarena_config_path(tmp_path, monkeypatch):
                    "reference_url": "", "program_html": []}),
         dict(base, task_id=2, sites=["gitlab"], intent="x",
              eval={"eval_types": ["url_match"], "reference_url": "__GITLAB__/", "program_html": []}),
+        # WebArena's own configs use site-specific Python helpers: left out with the reason, not fatal
+        dict(base, task_id=3, intent="y",
+             eval={"eval_types": ["program_html"], "reference_url": "", "program_html": [
+                 {"url": "func:shopping_get_latest_order_url()", "locator": "",
+                  "required_contents": {"must_include": ["x"]}}]}),
     ]
     for c in cfgs:
         (tmp_path / f"{c['task_id']}.json").write_text(json.dumps(c))
@@ -165,7 +170,7 @@ def test_webarena_config_path(tmp_path, monkeypatch):
     try:
         assert e.num_tasks("train") == 1 and e.num_tasks("test") == 0
         reasons = dict(e.skipped_tasks)
-        assert "SI_JUDGE_URL" in reasons[1] and "WA_GITLAB" in reasons[2]
+        assert "SI_JUDGE_URL" in reasons[1] and "WA_GITLAB" in reasons[2] and "func:" in reasons[3]
         obs, info = e.reset(0)
         r = e.step("Action: click [" + str(_id(obs, "link 'My orders'")) + "]")
         r = e.step("Action: stop [Shipped]")
