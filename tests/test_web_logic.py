@@ -232,3 +232,13 @@ def test_task_files_match_builder_and_sizes():
             assert t["start_url"].startswith(("__SHOP__", "__FORUM__"))
         intents = [t["intent"] for t in tasks]
         assert len(set(intents)) == len(intents)
+
+
+def test_one_word_must_include_matches_whole_words_only():
+    # a count or rating answer: "3" must not be found inside "13" or "3.5" (an answer listing many numbers
+    # would otherwise collect the reward)
+    assert ev.must_include("3", "13") == 0.0
+    assert ev.must_include("3", "3.5 stars") == 0.0
+    assert ev.must_include("3", "There are 3 comments.") == 1.0
+    assert ev.must_include("Shipped", "it was SHIPPED") == 1.0
+    assert ev.must_include("blue mug", "a Blue Mug here") == 1.0  # several words: a phrase inside the answer

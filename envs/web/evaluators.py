@@ -56,10 +56,26 @@ def exact_match(ref: str, pred: str) -> float:
     return float(clean(ref) == clean(pred))
 
 
+_TOKEN = re.compile(r"\w+(?:[.,'\-]\w+)*")
+
+
+def _tokens(text: str) -> list[str]:
+    return _TOKEN.findall(text)
+
+
 def must_include(ref: str, pred: str) -> float:
-    """``ref`` (or one of its ``|OR|`` alternatives) occurs in ``pred`` after normalisation."""
+    """``ref`` (or one of its ``|OR|`` alternatives) occurs in ``pred`` after normalisation. A one-word reference
+    must be a whole word of the answer (as WebArena does), so "3" is not found in "13" or "3.5"."""
     p = clean(pred)
-    return float(any(clean(alt) in p for alt in str(ref).split(OR)))
+
+    def found(alt: str) -> bool:
+        a = clean(alt)
+        words = _tokens(a)
+        if len(words) == 1 and words[0] == a:
+            return a in _tokens(p)
+        return a in p
+
+    return float(any(found(alt) for alt in str(ref).split(OR)))
 
 
 @dataclass
