@@ -19,6 +19,14 @@ def episode_metrics(trajs: list[Trajectory]) -> dict[str, float]:
         "mean_policy_tokens": sum(t.num_policy_tokens for t in live) / n if n else 0.0,
         "mean_length": sum(len(t.token_ids) for t in live) / n if n else 0.0,
     }
+    # numbers an env reports about the episode besides its reward (``info["episode_metrics"]`` of its last step,
+    # e.g. SciWorld's 0-100 score next to success = score 100, deep search's F1 next to exact match)
+    extra: dict[str, list[float]] = {}
+    for t in live:
+        for k, v in (t.info.get("episode_metrics") or {}).items():
+            extra.setdefault(k, []).append(float(v))
+    for k, vals in sorted(extra.items()):
+        out[f"mean_{k}"] = sum(vals) / len(vals)
     reasons = Counter(t.finish_reason for t in trajs)
     for r in FINISH_REASONS:
         out[f"finish_{r}"] = float(reasons.get(r, 0))

@@ -157,6 +157,7 @@ def decode_step(body: Any, dialect: Dialect, state: EpisodeState) -> StepResult:
         state.score = score
         success = done and score >= dialect.score_scale
         info["score"] = score
+        info["episode_metrics"] = {"score": score}
     else:
         reward = raw_reward
         success = done and (raw_reward >= 1.0 if dialect.full_reward else raw_reward > dialect.success_reward)

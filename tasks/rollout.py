@@ -177,6 +177,8 @@ async def run_rollout(
                 continue
             tr.set_turn_reward(r.reward)
             tr.info.setdefault("observations", []).append(r.observation)
+            if isinstance(r.info.get("episode_metrics"), dict):  # e.g. SciWorld's score, deep search's F1
+                tr.info["episode_metrics"] = {k: float(v) for k, v in r.info["episode_metrics"].items()}
             success = bool(r.info.get("success", False))
             if r.terminated:
                 tr.finish("success" if success else "failure", success)

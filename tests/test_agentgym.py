@@ -135,7 +135,8 @@ def test_decode_step_reward_rules():
     rewards = [decode_step({"observation": "o", "reward": 99, "score": s, "done": d}, sw, st)
                for s, d in ((25, False), (60, False), (60, True))]
     assert [x.reward for x in rewards] == [0.25, 0.35, 0.0]
-    assert rewards[-1].terminated and rewards[-1].info == {"score": 60.0, "success": False}
+    assert rewards[-1].terminated and rewards[-1].info == {"score": 60.0, "success": False,
+                                                         "episode_metrics": {"score": 60.0}}
     full = decode_step({"observation": "o", "reward": 40, "score": 100, "done": True}, sw, EpisodeState())
     assert full.reward == 1.0 and full.info["success"]
     # WebShop: partial rewards are not success

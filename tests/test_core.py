@@ -169,3 +169,20 @@ def test_bad_config_says_how_to_fix(bad, needle):
 def test_unknown_preset():
     with pytest.raises(ConfigError, match="smoke"):
         build_config("babyai", "nope")
+
+
+def test_episode_metrics_average_what_envs_report_besides_reward():
+    from core.metrics import episode_metrics
+    from core.trajectory import Trajectory
+
+    ts = []
+    for score, masked in [(100.0, False), (40.0, False), (7.0, True)]:
+        t = Trajectory(task_id=0, group_id=0)
+        t.start([1, 2])
+        t.add_action([3], [-0.1])
+        t.info["episode_metrics"] = {"score": score}
+        t.finish("env_error" if masked else ("success" if score == 100 else "failure"), score == 100)
+        ts.append(t)
+    m = episode_metrics(ts)
+    assert m["mean_score"] == 70.0  # the masked episode's 7 is not counted
+    assert m["success_rate"] == 0.5 and m["masked_episodes"] == 1.0

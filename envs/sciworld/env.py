@@ -273,7 +273,8 @@ class SciWorldEnv:
         return StepResult(self._obs, 0.0, False, False, {**self._info(None), "invalid_action": True})
 
     def _info(self, action: str | None) -> dict[str, Any]:
-        info = {**self._meta, "success": self._success, "score": self._score, "action": action}
+        info = {**self._meta, "success": self._success, "score": self._score, "action": action,
+                "episode_metrics": {"score": float(self._score)}}
         if self.expose_gold:
             info["gold_action"] = self._gold[self._gold_pos] if self._gold_pos < len(self._gold) else None
         return info

@@ -193,4 +193,6 @@ class SearchQAEnv:
         if plan:
             info["plan"] = plan
         info.update(extra)
+        # for the eval/train metrics: F1 of the final answer (0 until one is given) and searches made
+        info["episode_metrics"] = {"f1": float(extra.get("f1", 0.0)), "searches": float(self._n_searches)}
         return info
