@@ -10,6 +10,9 @@ wrapper below), which sets ``truncated``.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
@@ -32,6 +35,17 @@ def task_index(split: str, i: int) -> int:
     if not 0 <= i < TEST_OFFSET:
         raise ValueError(f"task number must be in [0, {TEST_OFFSET}), got {i}")
     return i + (TEST_OFFSET if split == "test" else 0)
+
+
+_STDOUT_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def quiet_stdout():
+    """Swallow what a game engine prints. ``redirect_stdout`` swaps the process-wide ``sys.stdout``, so the env
+    server's worker threads take turns here; unguarded, one thread could restore another's StringIO for good."""
+    with _STDOUT_LOCK, contextlib.redirect_stdout(io.StringIO()):
+        yield
 
 
 @dataclass

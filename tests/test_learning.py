@@ -105,8 +105,9 @@ STEPS, TASKS, SAMPLES = 30, 8, 4
 LR = {"grpo": 3e-3, "rloo": 3e-3, "reinforce++": 3e-3, "ppo": 3e-3}
 
 
-def train(model_dir: str, estimator: str, lr: float, seed: int = 0) -> list[float]:
-    """Train for STEPS steps; returns the per-step success rate of the sampled rollouts."""
+def train(model_dir: str, estimator: str, lr: float, seed: int = 0, updates: list | None = None) -> list[float]:
+    """Train for STEPS steps; returns the per-step success rate of the sampled rollouts (and appends each
+    update's metrics to ``updates``)."""
     spec = get_estimator(estimator)
     torch.manual_seed(seed)
     lc = LearnerConfig(lr=lr, kl_coef=0.001, clip=0.2, micro_batch_size=32, bf16_autocast=False,
@@ -129,7 +130,9 @@ def train(model_dir: str, estimator: str, lr: float, seed: int = 0) -> list[floa
             estimator, params, trajs,
             values=learner.per_token(trajs, prep, "values") if spec.needs_critic else None,
             kl=learner.per_token(trajs, prep, "kl") if spec.kl_in_reward else None)
-        learner.update(trajs, adv, prepared=prep, returns=ret)
+        m = learner.update(trajs, adv, prepared=prep, returns=ret)
+        if updates is not None:
+            updates.append(m)
     return rates
 
 
@@ -140,11 +143,15 @@ def learned(rates: list[float]) -> bool:
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce++", "ppo"])
 def test_estimator_learns_two_turn_task(tiny_model_dir, estimator):
-    rates = train(tiny_model_dir, estimator, LR[estimator])
+    updates = []
+    rates = train(tiny_model_dir, estimator, LR[estimator], updates=updates)
     assert learned(rates), f"{estimator} did not learn: success per step {rates}"
+    # PPO runs 2 epochs x 2 mini-batches: four optimizer steps per training step, as configured
+    assert all(u["optimizer_steps"] == (4 if estimator == "ppo" else 1) for u in updates)
 
 
-def test_zero_learning_rate_fails_the_same_criterion(tiny_model_dir):
-    rates = train(tiny_model_dir, "grpo", 0.0)
-    assert not learned(rates), f"success rose without learning: {rates}"
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce++", "ppo"])
+def test_zero_learning_rate_fails_the_same_criterion(tiny_model_dir, estimator):
+    rates = train(tiny_model_dir, estimator, 0.0)
+    assert not learned(rates), f"{estimator}: success rose without learning: {rates}"
     assert statistics.mean(rates) < 0.45

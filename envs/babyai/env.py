@@ -16,8 +16,6 @@ Reward, termination and truncation are minigrid's own.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import re
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -25,7 +23,7 @@ from typing import Any, Optional
 import gymnasium as gym
 import minigrid  # noqa: F401  (registers the BabyAI-* gymnasium ids)
 
-from envs.base import TEST_OFFSET, StepResult, split_of
+from envs.base import TEST_OFFSET, StepResult, quiet_stdout, split_of
 from envs.babyai import planner
 from envs.babyai.parse import normalize, parse_action
 from envs.babyai.render import ObjView, describe_ahead, render_invalid, render_observation
@@ -180,7 +178,7 @@ class BabyAIEnv:
             env = gym.make(level, disable_env_checker=True).unwrapped
             self._envs[level] = env
         # level generation prints rejection-sampling notes on stdout; keep the server's stdout clean
-        with contextlib.redirect_stdout(io.StringIO()):
+        with quiet_stdout():
             env.reset(seed=seed)
         if self.max_steps is not None:
             env.max_steps = self.max_steps

@@ -16,12 +16,10 @@ sees only the observation).
 
 from __future__ import annotations
 
-import contextlib
-import io
 import time
 from typing import Any
 
-from envs.base import TEST_OFFSET, StepResult, split_of
+from envs.base import TEST_OFFSET, StepResult, quiet_stdout, split_of
 from envs.textcraft.parse import FORMATS, parse_action
 from envs.textcraft.tasks import data_dir, item_name, load_tasks, observation_text
 
@@ -102,7 +100,7 @@ class TextCraftEnv:
             self._obs = (f"Invalid action: {parsed.error}. Valid actions look like: {'; '.join(FORMATS)}. "
                          "End your reply with one line 'Action: <action>'.")
             return StepResult(self._obs, 0.0, False, False, {**self._info(None), "invalid_action": True})
-        with contextlib.redirect_stdout(io.StringIO()):  # the engine prints recipe mismatches
+        with quiet_stdout():  # the engine prints recipe mismatches
             obs, reward, terminated, truncated, _ = self._game.step(parsed.action)
         self._success = bool(terminated and reward > 0)
         self._done = bool(terminated)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -210,13 +209,15 @@ class TorchLearner:
         n_mini = 0
         kl_coef = self.cfg.kl_coef if self.cfg.kl_in_loss else 0.0
         self.model.train()
-        size = math.ceil(len(live) / self.cfg.mini_batches)
+        # exactly mini_batches near-equal parts (fewer only when fewer episodes are live than mini-batches)
+        n_parts = min(self.cfg.mini_batches, len(live))
+        bounds = [j * len(live) // n_parts for j in range(n_parts + 1)]
         for _epoch in range(self.cfg.ppo_epochs):
             order = list(range(len(live)))
             if self.cfg.mini_batches > 1:  # a fresh split per epoch (torch RNG: checkpointed, so resume is exact)
                 order = torch.randperm(len(live)).tolist()
-            for m0 in range(0, len(order), size):
-                mini = order[m0:m0 + size]
+            for m0, m1 in zip(bounds, bounds[1:]):
+                mini = order[m0:m1]
                 w_seq = sequence_weights([trajs[live[k]].num_policy_tokens for k in mini], self.cfg.loss_agg)
                 self._zero_grad()
                 if self.critic is not None:
