@@ -91,13 +91,25 @@ def _ensure_dist() -> None:
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return
-    if "RANK" not in os.environ:  # a single in-process rank
-        from envs.spawn import free_port
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" in os.environ:  # launched by torchrun / deepspeed: the launcher chose the rendezvous
+        deepspeed.init_distributed(dist_backend=backend)
+        return
+    # a single in-process rank on a port of our choosing; a free port can be taken before the store binds it
+    # (env servers being spawned pick ports the same way), so a clash is retried on a new port
+    from envs.spawn import free_port
 
+    for attempt in range(4):
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    deepspeed.init_distributed(dist_backend=backend)
+        try:
+            deepspeed.init_distributed(dist_backend=backend)
+            return
+        except Exception as e:  # noqa: BLE001 - torch raises DistNetworkError (a RuntimeError) on EADDRINUSE
+            for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+                os.environ.pop(k, None)
+            if "EADDRINUSE" not in str(e) and "address already in use" not in str(e).lower() or attempt == 3:
+                raise
 
 
 class DeepSpeedLearner(TorchLearner):
