@@ -97,6 +97,15 @@ def phase_flow(config: RunConfig, phase: int, init_ref: str, parent_run_id: str 
     final_uri = join_uri(phase_uri, "final")
     if checkpoint_exists(final_uri):
         print(f"phase {phase}: final checkpoint exists ({final_uri}); skipping")
+        tracker = make_tracker(cfg)
+        run_id = tracker.find_run(f"{cfg.run_name}/phase-{phase}", parent_run_id)
+        if run_id is not None:  # registration is the step after the final checkpoint: make sure it happened
+            version = tracker.ensure_registered(cfg.env.name, final_uri, run_id, {
+                "phase": str(phase), "turn_limit": str(ph.turn_limit), "run_name": cfg.run_name,
+                "global_step": str(start + ph.steps)})
+            if version is not None:
+                print(f"phase {phase}: registered {final_uri} as model scalinginter-{cfg.env.name} version "
+                      f"{version} (the earlier run stopped before registering it)")
         _phase_artifact(cfg, phase, ph.steps, start + ph.steps, None, final_uri, None,
                         note="Skipped: the final checkpoint of this phase exists (resumed run).")
         return final_uri

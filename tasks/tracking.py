@@ -130,5 +130,19 @@ class Tracker:
         return str(mv.version)
 
 
+    def ensure_registered(self, env: str, checkpoint_uri: str, run_id: str, tags: dict[str, str]) -> str | None:
+        """Register ``checkpoint_uri`` unless a version of ``scalinginter-<env>`` already names it (a run killed
+        between writing a phase's final checkpoint and registering it). Returns the new version, or None."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            versions = self.client.search_model_versions(f"name='{registered_model_name(env)}'")
+        except MlflowException:  # no registered model yet
+            versions = []
+        if any((v.tags or {}).get("scalinginter.checkpoint_uri") == checkpoint_uri for v in versions):
+            return None
+        return self.register_checkpoint(env, checkpoint_uri, run_id, tags)
+
+
 def registered_model_name(env: str) -> str:
     return f"scalinginter-{env}"

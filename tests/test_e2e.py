@@ -102,11 +102,22 @@ def test_turn_limit_of_each_phase_honoured(run_dir):
 
 
 def test_rerun_same_name_skips_finished_phases_and_eval_cli(run_dir):
+    from mlflow import MlflowClient
+
     out, _ = run_dir
+    # as if the first run had died between phase 2's final checkpoint and its registration
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}", registry_uri=f"sqlite:///{out / 'mlflow.db'}")
+    versions = client.search_model_versions("name='scalinginter-babyai'")
+    phase2 = [v for v in versions if v.tags.get("phase") == "2"]
+    assert len(phase2) == 1
+    client.delete_model_version("scalinginter-babyai", phase2[0].version)
     p = cli("run", "babyai", "--preset", "tiny", "--set", f"output_dir={out}", "--run-name", RUN, cwd=out)
     assert p.returncode == 0, p.stderr[-2000:]
     log = p.stdout + p.stderr
     assert "phase 1: final checkpoint exists" in log and "phase 2: final checkpoint exists" in log
+    assert "phase 2: registered" in log and "phase 1: registered" not in log  # only the missing one
+    phase2 = [v for v in client.search_model_versions("name='scalinginter-babyai'") if v.tags.get("phase") == "2"]
+    assert len(phase2) == 1 and phase2[0].tags["scalinginter.checkpoint_uri"].endswith("phase-2/final")
     final = out / "checkpoints" / RUN / "phase-2" / "final"
     js = out / "eval.json"
     p = cli("eval", str(final), "babyai", "--split", "test", "--n", "2", "--turn-limit", "2",
