@@ -129,7 +129,6 @@ class Tracker:
                                                   tags=all_tags)
         return str(mv.version)
 
-
     def ensure_registered(self, env: str, checkpoint_uri: str, run_id: str, tags: dict[str, str]) -> str | None:
         """Register ``checkpoint_uri`` unless a version of ``scalinginter-<env>`` already names it (a run killed
         between writing a phase's final checkpoint and registering it). Returns the new version, or None."""
