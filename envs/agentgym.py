@@ -30,7 +30,6 @@ The pure pieces (``decode_*``, ``extract_reply_action``, ``Dialect``) are unit-t
 
 from __future__ import annotations
 
-import asyncio
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +37,7 @@ from typing import Any
 import httpx
 
 from envs.base import StepResult
-from envs.client import ResetResult, _Base
+from envs.client import AsyncEnvClient, EnvClient, ResetResult, _Base
 from envs.errors import EnvServerError
 from envs.react import extract_action
 
@@ -193,7 +192,8 @@ class _AgentGymBase(_Base):
         self.instruction = instruction if instruction is not None else default_instruction(env)
         self._state: dict[int, EpisodeState] = {}
 
-    def _decode_raw(self, method: str, path: str, resp: httpx.Response, idempotent: bool) -> Any:
+    def _decode_reply(self, method: str, path: str, resp: httpx.Response, idempotent: bool) -> Any:
+        # AgentGym servers answer bare values and plain text, and report errors as {"error"} bodies
         if resp.is_success:
             try:
                 return resp.json()
@@ -213,32 +213,8 @@ class _AgentGymBase(_Base):
         return {"id": env_id, "env_idx": env_id}
 
 
-class AgentGymClient(_AgentGymBase):
-    """Sync client for an AgentGym env server."""
-
-    def __init__(self, base_url: str, env: str, *, http_client: httpx.Client | None = None, **kw):
-        super().__init__(base_url, env, **kw)
-        self._owns = http_client is None
-        self._http = http_client if http_client is not None else httpx.Client(timeout=self.timeout)
-
-    def _request(self, method: str, path: str, *, idempotent: bool, json=None, params=None, timeout=None) -> Any:
-        import time
-
-        attempt = 0
-        while True:
-            try:
-                resp = self._http.request(method, self.base_url + path, json=json, params=params, **self._kw(timeout))
-            except httpx.TransportError as exc:
-                if self._plan(exc, idempotent, attempt):
-                    time.sleep(self._delay(attempt))
-                    attempt += 1
-                    continue
-                raise self._unavailable(method, path, exc, idempotent, attempt + 1) from exc
-            if self._plan(resp.status_code, idempotent, attempt):
-                time.sleep(self._delay(attempt))
-                attempt += 1
-                continue
-            return self._decode_raw(method, path, resp, idempotent)
+class AgentGymClient(_AgentGymBase, EnvClient):
+    """Sync client for an AgentGym env server (``EnvClient``'s transport and retries, the AgentGym dialect)."""
 
     def health(self) -> dict[str, Any]:
         body = self._request("GET", "/", idempotent=True, timeout=self.health_timeout)
@@ -301,35 +277,8 @@ class AgentGymClient(_AgentGymBase):
         self.shutdown()
 
 
-class AsyncAgentGymClient(_AgentGymBase):
+class AsyncAgentGymClient(_AgentGymBase, AsyncEnvClient):
     """Asyncio client for an AgentGym env server (what the rollout uses with ``env.dialect=agentgym``)."""
-
-    def __init__(self, base_url: str, env: str, *, http_client: httpx.AsyncClient | None = None,
-                 max_connections: int = 256, **kw):
-        super().__init__(base_url, env, **kw)
-        self._owns = http_client is None
-        self._http = http_client if http_client is not None else httpx.AsyncClient(
-            timeout=self.timeout,
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections))
-
-    async def _request(self, method: str, path: str, *, idempotent: bool, json=None, params=None,
-                       timeout=None) -> Any:
-        attempt = 0
-        while True:
-            try:
-                resp = await self._http.request(method, self.base_url + path, json=json, params=params,
-                                                **self._kw(timeout))
-            except httpx.TransportError as exc:
-                if self._plan(exc, idempotent, attempt):
-                    await asyncio.sleep(self._delay(attempt))
-                    attempt += 1
-                    continue
-                raise self._unavailable(method, path, exc, idempotent, attempt + 1) from exc
-            if self._plan(resp.status_code, idempotent, attempt):
-                await asyncio.sleep(self._delay(attempt))
-                attempt += 1
-                continue
-            return self._decode_raw(method, path, resp, idempotent)
 
     async def health(self) -> dict[str, Any]:
         body = await self._request("GET", "/", idempotent=True, timeout=self.health_timeout)

@@ -90,6 +90,10 @@ class _Base:
             url=self.base_url + path,
         )
 
+    def _decode_reply(self, method: str, path: str, resp: httpx.Response, idempotent: bool) -> Any:
+        """What ``_request`` returns for a response it will not retry (a dialect adapter overrides this)."""
+        return self._decode(method, path, resp, idempotent)
+
     def _decode(self, method: str, path: str, resp: httpx.Response, idempotent: bool) -> Any:
         url = self.base_url + path
         if resp.is_success:
@@ -159,7 +163,7 @@ class EnvClient(_Base):
                 time.sleep(self._delay(attempt))
                 attempt += 1
                 continue
-            return self._decode(method, path, resp, idempotent)
+            return self._decode_reply(method, path, resp, idempotent)
 
     def health(self) -> dict[str, Any]:
         return self._request("GET", "/health", idempotent=True, timeout=self.health_timeout)
@@ -232,7 +236,7 @@ class AsyncEnvClient(_Base):
                 await asyncio.sleep(self._delay(attempt))
                 attempt += 1
                 continue
-            return self._decode(method, path, resp, idempotent)
+            return self._decode_reply(method, path, resp, idempotent)
 
     async def health(self) -> dict[str, Any]:
         return await self._request("GET", "/health", idempotent=True, timeout=self.health_timeout)
