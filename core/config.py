@@ -21,6 +21,12 @@ class EnvConfig(_Strict):
     options: dict[str, Any] = Field(default_factory=dict, description="Constructor options of the env.")
     num_servers: int = Field(1, ge=1, description="Env server processes spawned for a phase.")
     url: str | None = Field(None, description="Use an already running env server instead of spawning one.")
+    runtime: Literal["auto", "process", "docker"] = Field(
+        "auto", description="How spawned env servers run: docker (containers through the Docker SDK, images from "
+                            "infra/docker/), process (local subprocesses), auto (containers when a Docker daemon "
+                            "answers and has the image, else processes).")
+    image: str | None = Field(None, description="Container image of the env server (runtime docker/auto); default "
+                                                "scalinginter/env-{light,web,sciworld}:latest by env.")
     dialect: Literal["scalinginter", "agentgym"] = Field(
         "scalinginter", description="Protocol of the server at env.url: 'scalinginter' (ours) or 'agentgym' (an "
                                     "unmodified AgentGym agentenv-* server; needs env.url).")
@@ -95,6 +101,8 @@ class RolloutConfig(_Strict):
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (0 = greedy).")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     gen_batch_size: int = Field(32, ge=1, description="Max sequences per generate call.")
+    env_retries: int = Field(1, ge=0, description="Times an episode masked by an env failure (server died, 5xx, "
+                                                  "timeout) is run again, after dead env servers are replaced.")
     max_live_episodes: int | None = Field(
         None, ge=1, description="Episodes running at once (train and eval); the next start as others end. None: "
                                 "all at once. Set it to what the env servers hold (browser contexts, JVMs) x "

@@ -258,6 +258,8 @@ class EnvHost:
             "status": "ok",
             "env": self.env_name,
             "pid": os.getpid(),
+            # set by the spawner (process or container): tells this server from another one on a reused port
+            "instance": os.environ.get("SCALINGINTER_INSTANCE"),
             "live_envs": len(self._slots),
             "max_envs": self.max_envs,
             "idle_ttl_s": self.idle_ttl_s,

@@ -1,13 +1,18 @@
-"""Start env servers (``python -m envs.server``) as local subprocesses.
+"""Start env servers (``python -m envs.server``) as local subprocesses or, where a Docker daemon answers, as
+containers (``envs.containers``), behind one handle interface:
 
     with EnvServerProcess("toy", env_options={"n_doors": 4}) as srv:
         client = EnvClient(srv.url)
         ...
 
-The subprocess gets the repo root on ``PYTHONPATH`` (works from any cwd), writes its output to a log file
-(``log_path``, else a temp file removed on ``stop``), exits by itself when the spawning process dies, and is
-stopped at interpreter exit. ``start`` waits until ``/health`` answers from *this* process; if the server
-exits or stays unhealthy past ``startup_timeout_s``, ``EnvServerStartError`` carries the log tail.
+    srv = spawn_env_server("sciworld", runtime="auto")   # a container if a daemon and the image exist
+
+Both kinds get a free host port, are healthy only once ``/health`` answers from *this* server (a per-launch
+instance token, so a stale server on a reused port never passes), restart on the same port (``restart``) and
+are stopped at interpreter exit. A subprocess gets the repo root on ``PYTHONPATH`` (works from any cwd), writes
+its output to a log file (``log_path``, else a temp file removed on ``stop``) and exits by itself when the
+spawning process dies. If a server exits or stays unhealthy past ``startup_timeout_s``,
+``EnvServerStartError`` carries its log tail.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 import weakref
 from pathlib import Path
 from typing import Any
@@ -30,7 +36,8 @@ import httpx
 from envs.errors import EnvServerStartError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-_LIVE: "weakref.WeakSet[EnvServerProcess]" = weakref.WeakSet()
+_LIVE: "weakref.WeakSet[EnvServerHandle]" = weakref.WeakSet()
+RUNTIMES = ("auto", "process", "docker")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -40,7 +47,166 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-class EnvServerProcess:
+class EnvServerHandle:
+    """What a phase needs of an env server, whatever runs it: start (free port, health check), alive,
+    restart on the same port, stop, kill, log tail. Subclasses launch and terminate."""
+
+    kind = "?"
+    port_taken_markers = ("address already in use",)
+
+    def __init__(self, env_name: str, host: str = "127.0.0.1", port: int | None = None,
+                 env_options: dict[str, Any] | None = None, *, max_envs: int = 256, idle_ttl_s: float = 600.0,
+                 reap_interval_s: float | None = None, workers: int = 32, startup_timeout_s: float = 60.0,
+                 log_level: str = "warning"):
+        self.env_name = env_name
+        self.host = host
+        self.port = port
+        self._auto_port = port is None
+        self.env_options = dict(env_options or {})
+        self.max_envs = max_envs
+        self.idle_ttl_s = idle_ttl_s
+        self.reap_interval_s = reap_interval_s
+        self.workers = workers
+        self.startup_timeout_s = startup_timeout_s
+        self.log_level = log_level
+        self.instance_id: str | None = None
+
+    # --- info -----------------------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("server not started")
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def running(self) -> bool:
+        """The server exists and has not exited (it may still be starting up)."""
+        return self.exit_code() is None and self._launched()
+
+    def alive(self, timeout_s: float = 2.0) -> bool:
+        """The server is running and answers ``/health``."""
+        return self.running() and self._healthy(timeout_s)
+
+    def server_args(self, host: str, port: int) -> list[str]:
+        """``python -m envs.server`` arguments (after the interpreter)."""
+        args = ["-m", "envs.server", "--env", self.env_name, "--host", host, "--port", str(port),
+                "--max-envs", str(self.max_envs), "--idle-ttl", str(self.idle_ttl_s),
+                "--workers", str(self.workers), "--log-level", self.log_level]
+        if self.reap_interval_s is not None:
+            args += ["--reap-interval", str(self.reap_interval_s)]
+        if self.env_options:
+            args += ["--options-json", json.dumps(self.env_options)]
+        return args
+
+    # --- to implement -----------------------------------------------------------------------------------
+    def _launch(self) -> None:
+        raise NotImplementedError
+
+    def _launched(self) -> bool:
+        raise NotImplementedError
+
+    def exit_code(self) -> int | None:
+        """The exit code once the server has exited, else None."""
+        raise NotImplementedError
+
+    def _terminate(self, timeout_s: float = 5.0) -> int | None:
+        raise NotImplementedError
+
+    def kill(self) -> None:
+        """Kill it now (simulates a crash; no cleanup)."""
+        raise NotImplementedError
+
+    def log_tail(self, n_lines: int = 40) -> str:
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        """Free what ``stop`` leaves behind (temp log, container)."""
+
+    # --- lifecycle --------------------------------------------------------------------------------------
+    def start(self) -> "EnvServerHandle":
+        if self.running():
+            raise RuntimeError(f"env server already running ({self!r})")
+        tries = 3 if self._auto_port else 1
+        for attempt in range(tries):
+            if self._auto_port and (self.port is None or attempt > 0):
+                self.port = free_port(self.host)
+            self.instance_id = uuid.uuid4().hex
+            try:
+                self._launch()
+                self._wait_healthy()
+                _LIVE.add(self)
+                return self
+            except EnvServerStartError as exc:
+                self._terminate()
+                port_taken = any(m in str(exc).lower() for m in self.port_taken_markers)
+                if not (port_taken and attempt + 1 < tries):
+                    self.stop()  # frees our temp log / container; the log tail is in the error message
+                    raise
+        raise AssertionError("unreachable")
+
+    def _healthy(self, timeout_s: float) -> bool:
+        try:
+            r = httpx.get(self.url + "/health", timeout=timeout_s)
+            d = r.json()
+        except (httpx.HTTPError, ValueError):
+            return False
+        return r.status_code == 200 and d.get("env") == self.env_name and d.get("instance") == self.instance_id
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        delay = 0.02
+        while True:
+            code = self.exit_code()
+            if code is not None:
+                raise EnvServerStartError(
+                    f"env server {self.env_name!r} ({self.kind}) exited with code {code} during startup "
+                    f"(port {self.port}). {self._log_ref()}:\n{self.log_tail()}",
+                    url=self.url,
+                )
+            if self._healthy(1.0):
+                return
+            if time.monotonic() > deadline:
+                raise EnvServerStartError(
+                    f"env server {self.env_name!r} ({self!r}) not healthy after {self.startup_timeout_s:g} s "
+                    f"at {self.url}. {self._log_ref()}:\n{self.log_tail()}",
+                    url=self.url,
+                )
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.25)
+
+    def _log_ref(self) -> str:
+        return "Log tail"
+
+    def stop(self, timeout_s: float = 5.0) -> int | None:
+        """Graceful stop (envs are closed), forced after ``timeout_s``. Returns the exit code."""
+        code = self._terminate(timeout_s)
+        _LIVE.discard(self)
+        self._release()
+        return code
+
+    def restart(self) -> "EnvServerHandle":
+        """Stop (if running) and start again on the same port. All env ids are lost."""
+        self._terminate()
+        auto, self._auto_port = self._auto_port, False  # keep the port clients know
+        try:
+            return self.start()
+        finally:
+            self._auto_port = auto
+
+    def __enter__(self) -> "EnvServerHandle":
+        if not self.running():
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class EnvServerProcess(EnvServerHandle):
+    """An env server as a local subprocess."""
+
+    kind = "process"
+
     def __init__(
         self,
         env_name: str,
@@ -59,17 +225,9 @@ class EnvServerProcess:
         extra_env: dict[str, str] | None = None,
         cwd: str | os.PathLike | None = None,
     ):
-        self.env_name = env_name
-        self.host = host
-        self.port = port
-        self._auto_port = port is None
-        self.env_options = dict(env_options or {})
-        self.max_envs = max_envs
-        self.idle_ttl_s = idle_ttl_s
-        self.reap_interval_s = reap_interval_s
-        self.workers = workers
-        self.startup_timeout_s = startup_timeout_s
-        self.log_level = log_level
+        super().__init__(env_name, host, port, env_options, max_envs=max_envs, idle_ttl_s=idle_ttl_s,
+                         reap_interval_s=reap_interval_s, workers=workers, startup_timeout_s=startup_timeout_s,
+                         log_level=log_level)
         self.python = python
         self.extra_env = dict(extra_env or {})
         self.cwd = Path(cwd) if cwd is not None else REPO_ROOT
@@ -77,25 +235,15 @@ class EnvServerProcess:
         self.log_path = Path(log_path) if log_path is not None else None
         self.proc: subprocess.Popen | None = None
 
-    # --- info -----------------------------------------------------------------------------------------
-    @property
-    def url(self) -> str:
-        if self.port is None:
-            raise RuntimeError("server not started")
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
-
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
-    def running(self) -> bool:
-        """The process exists and has not exited (it may still be starting up)."""
-        return self.proc is not None and self.proc.poll() is None
+    def _launched(self) -> bool:
+        return self.proc is not None
 
-    def alive(self, timeout_s: float = 2.0) -> bool:
-        """The process is running and answers ``/health``."""
-        return self.running() and self._healthy(timeout_s)
+    def exit_code(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
 
     def log_tail(self, n_lines: int = 40) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -106,44 +254,8 @@ class EnvServerProcess:
             text = f.read().decode("utf-8", "replace")
         return "\n".join(text.splitlines()[-n_lines:])
 
-    # --- lifecycle --------------------------------------------------------------------------------------
     def command(self) -> list[str]:
-        cmd = [
-            self.python, "-m", "envs.server",
-            "--env", self.env_name,
-            "--host", self.host,
-            "--port", str(self.port),
-            "--max-envs", str(self.max_envs),
-            "--idle-ttl", str(self.idle_ttl_s),
-            "--workers", str(self.workers),
-            "--log-level", self.log_level,
-            "--parent-pid", str(os.getpid()),
-        ]  # fmt: skip
-        if self.reap_interval_s is not None:
-            cmd += ["--reap-interval", str(self.reap_interval_s)]
-        if self.env_options:
-            cmd += ["--options-json", json.dumps(self.env_options)]
-        return cmd
-
-    def start(self) -> "EnvServerProcess":
-        if self.running():
-            raise RuntimeError(f"env server already running (pid {self.pid})")
-        tries = 3 if self._auto_port else 1
-        for attempt in range(tries):
-            if self._auto_port and (self.port is None or attempt > 0):
-                self.port = free_port(self.host)
-            self._launch()
-            try:
-                self._wait_healthy()
-                _LIVE.add(self)
-                return self
-            except EnvServerStartError as exc:
-                self._terminate()
-                port_taken = "address already in use" in str(exc).lower()
-                if not (port_taken and attempt + 1 < tries):
-                    self.stop()  # removes our temp log; its tail is in the error message
-                    raise
-        raise AssertionError("unreachable")
+        return [self.python, *self.server_args(self.host, self.port), "--parent-pid", str(os.getpid())]
 
     def _launch(self) -> None:
         if self.log_path is None:
@@ -154,6 +266,7 @@ class EnvServerProcess:
         env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         env["PYTHONUNBUFFERED"] = "1"
         env.update(self.extra_env)
+        env["SCALINGINTER_INSTANCE"] = self.instance_id or ""
         with open(self.log_path, "ab") as log:
             log.write(f"\n--- starting: {' '.join(self.command())}\n".encode())
             log.flush()
@@ -166,37 +279,6 @@ class EnvServerProcess:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # a Ctrl-C in the terminal reaches us, and we stop it cleanly
             )
-
-    def _healthy(self, timeout_s: float) -> bool:
-        try:
-            r = httpx.get(self.url + "/health", timeout=timeout_s)
-            d = r.json()
-        except (httpx.HTTPError, ValueError):
-            return False
-        return r.status_code == 200 and d.get("env") == self.env_name and d.get("pid") == self.pid
-
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
-        delay = 0.02
-        while True:
-            assert self.proc is not None
-            code = self.proc.poll()
-            if code is not None:
-                raise EnvServerStartError(
-                    f"env server {self.env_name!r} exited with code {code} during startup "
-                    f"(port {self.port}). {self._log_ref()}:\n{self.log_tail()}",
-                    url=self.url,
-                )
-            if self._healthy(1.0):
-                return
-            if time.monotonic() > deadline:
-                raise EnvServerStartError(
-                    f"env server {self.env_name!r} (pid {self.pid}) not healthy after {self.startup_timeout_s:g} s "
-                    f"at {self.url}. {self._log_ref()}:\n{self.log_tail()}",
-                    url=self.url,
-                )
-            time.sleep(delay)
-            delay = min(delay * 1.5, 0.25)
 
     def _log_ref(self) -> str:
         return "Log tail" if self._own_log else f"Log {self.log_path}"
@@ -215,17 +297,13 @@ class EnvServerProcess:
         self.proc = proc  # keep for returncode / pid inspection
         return proc.returncode
 
-    def stop(self, timeout_s: float = 5.0) -> int | None:
-        """SIGTERM (graceful: envs are closed), then SIGKILL after ``timeout_s``. Returns the exit code."""
-        code = self._terminate(timeout_s)
-        _LIVE.discard(self)
+    def _release(self) -> None:
         if self._own_log and self.log_path is not None:
             try:
                 self.log_path.unlink()
             except OSError:
                 pass
             self.log_path = None
-        return code
 
     def kill(self) -> None:
         """SIGKILL now (simulates a crash; no cleanup)."""
@@ -233,26 +311,29 @@ class EnvServerProcess:
             self.proc.kill()
             self.proc.wait(5.0)
 
-    def restart(self) -> "EnvServerProcess":
-        """Stop (if running) and start again on the same port. All env ids are lost."""
-        self._terminate()
-        auto, self._auto_port = self._auto_port, False  # keep the port clients know
-        try:
-            return self.start()
-        finally:
-            self._auto_port = auto
-
-    def __enter__(self) -> "EnvServerProcess":
-        if not self.running():
-            self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
     def __repr__(self) -> str:
         state = "running" if self.running() else "stopped"
         return f"EnvServerProcess({self.env_name!r}, port={self.port}, pid={self.pid}, {state})"
+
+
+def spawn_env_server(env_name: str, env_options: dict[str, Any] | None = None, *, runtime: str = "auto",
+                     image: str | None = None, **kw: Any) -> EnvServerHandle:
+    """Start an env server: a container when ``runtime`` is ``docker`` (or ``auto`` and a daemon answers and
+    has the env's image), else a local process. Same health check, port allocation, restart and teardown."""
+    from envs import containers
+
+    if runtime not in RUNTIMES:
+        raise ValueError(f"env.runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
+    if runtime != "process":
+        img = image or containers.image_for(env_name)
+        why = containers.unavailable_reason(img, kw.get("docker_client"))
+        if why is None:
+            return containers.EnvServerContainer(env_name, env_options=env_options, image=img, **kw).start()
+        if runtime == "docker":
+            raise EnvServerStartError(f"env.runtime=docker but {why}. Build the images with "
+                                      f"`infra/docker/build.sh`, or use env.runtime=process (or auto).")
+    kw.pop("docker_client", None)
+    return EnvServerProcess(env_name, env_options=env_options, **kw).start()
 
 
 @atexit.register

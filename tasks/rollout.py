@@ -53,6 +53,9 @@ class RolloutStats:
     gen_time_s: float = 0.0
     env_time_s: float = 0.0
     wall_time_s: float = 0.0
+    retried_episodes: int = 0  # masked by an env failure, then run again
+    recovered_episodes: int = 0  # ... and not masked the second time
+    servers_replaced: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -64,7 +67,9 @@ class RolloutStats:
 
     def as_metrics(self) -> dict[str, float]:
         return {"gen_tokens_per_s": self.tokens_per_s, "env_steps_per_s": self.env_steps_per_s,
-                "rollout_time_s": self.wall_time_s, "generated_tokens": float(self.generated_tokens)}
+                "rollout_time_s": self.wall_time_s, "generated_tokens": float(self.generated_tokens),
+                "retried_episodes": float(self.retried_episodes), "recovered_episodes": float(self.recovered_episodes),
+                "env_servers_replaced": float(self.servers_replaced)}
 
 
 async def _safe(coro: Awaitable[EnvReply]) -> EnvReply | Exception:
@@ -91,14 +96,20 @@ async def run_rollout(
     on_round: Callable[[int, int, RolloutStats], None] | None = None,
     seed: int | None = None,
     max_live: int | None = None,
+    episode_ids: list[int] | None = None,
 ) -> tuple[list[Trajectory], RolloutStats]:
     """Run every episode in ``specs`` to its end; returns trajectories in the order of ``specs``. With ``seed``,
-    each episode's turn is sampled with its own seed (``episode_seed``), for backends that take per-prompt seeds.
-    With ``max_live``, at most that many episodes run at once; the next start as others finish."""
+    each episode's turn is sampled with its own seed (``episode_seed``), for backends that take per-prompt seeds;
+    ``episode_ids`` (default 0..n-1) are the episodes' indices in that seed, so a re-run of some episodes samples
+    as they would have. With ``max_live``, at most that many episodes run at once; the next start as others
+    finish."""
     if turn_limit < 1:
         raise ValueError("turn_limit must be >= 1")
     if max_live is not None and max_live < 1:
         raise ValueError("max_live must be >= 1 (or None for all episodes at once)")
+    ids = list(range(len(specs))) if episode_ids is None else list(episode_ids)
+    if len(ids) != len(specs):
+        raise ValueError(f"episode_ids has {len(ids)} entries for {len(specs)} specs")
     stats = RolloutStats(episodes=len(specs))
     t_start = time.time()
     envs = [make_env(i) for i in range(len(specs))]
@@ -153,7 +164,7 @@ async def run_rollout(
         gens = {}
         t0 = time.time()
         for n_new, idx in by_cap.items():
-            seeds = None if seed is None else tuple(episode_seed(seed, i, trajs[i].turns) for i in idx)
+            seeds = None if seed is None else tuple(episode_seed(seed, ids[i], trajs[i].turns) for i in idx)
             p = SamplingParams(n_new, params.temperature, params.top_p, seeds)
             for i, g in zip(idx, backend.generate([trajs[i].token_ids for i in idx], p)):
                 gens[i] = g
@@ -205,4 +216,48 @@ async def run_rollout(
     for i, t in enumerate(trajs):
         t.info["replies"] = texts[i]
     stats.wall_time_s = time.time() - t_start
+    return trajs, stats
+
+
+async def run_rollout_retrying(
+    specs: list[EpisodeSpec],
+    make_env: Callable[[int], EpisodeEnv],
+    backend: GenerationBackend,
+    chat: ChatFormat,
+    params: SamplingParams,
+    turn_limit: int,
+    token_budget: int,
+    on_round: Callable[[int, int, RolloutStats], None] | None = None,
+    seed: int | None = None,
+    max_live: int | None = None,
+    *,
+    heal: Callable[[], Awaitable[int]] | None = None,
+    retries: int = 1,
+) -> tuple[list[Trajectory], RolloutStats]:
+    """``run_rollout``, then up to ``retries`` times: ``heal()`` (replace dead env servers; returns how many) and
+    run the episodes an env failure masked again, from their start, with their own seeds. An episode still failing
+    after that stays masked (never scored). ``make_env`` gets the episode's index in ``specs`` either time."""
+    if retries < 0:
+        raise ValueError("retries must be >= 0")
+    trajs, stats = await run_rollout(specs, make_env, backend, chat, params, turn_limit, token_budget, on_round,
+                                     seed, max_live)
+    for attempt in range(1, retries + 1):
+        failed = [i for i, t in enumerate(trajs) if t.finish_reason == "env_error"]
+        if not failed:
+            break
+        if heal is not None:
+            stats.servers_replaced += await heal()
+        again, st = await run_rollout([specs[i] for i in failed], lambda j: make_env(failed[j]), backend, chat,
+                                      params, turn_limit, token_budget, on_round, seed, max_live, episode_ids=failed)
+        for i, t in zip(failed, again):
+            t.info["attempt"] = attempt + 1
+            t.info["earlier_errors"] = trajs[i].info.get("earlier_errors", []) + [trajs[i].error]
+            trajs[i] = t
+        stats.retried_episodes += len(failed)
+        stats.recovered_episodes += sum(t.finish_reason != "env_error" for t in again)
+        stats.generated_tokens += st.generated_tokens
+        stats.env_steps += st.env_steps
+        stats.gen_time_s += st.gen_time_s
+        stats.env_time_s += st.env_time_s
+        stats.wall_time_s += st.wall_time_s
     return trajs, stats

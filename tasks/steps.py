@@ -64,27 +64,37 @@ def _threads(cfg: RunConfig) -> None:
 # --- setup / teardown ------------------------------------------------------------------------------------
 @task(name="spawn-env-servers", retries=2, retry_delay_seconds=2, **TASK_OPTS)
 def spawn_env_servers(key: str) -> list[str]:
-    """Start the phase's env servers as local processes (or use a configured URL); returns their URLs."""
-    from envs.spawn import EnvServerProcess
+    """Start the phase's env servers (containers or local processes, ``env.runtime``), or use a configured URL;
+    returns their URLs."""
+    from envs.spawn import spawn_env_server
 
     s = get_session(key)
     if s.cfg.env.url:
         return [s.cfg.env.url]
+    for srv in s.servers:  # a retry of this task after a partial start: do not leak the first servers
+        srv.stop()
+    s.servers.clear()
     urls = []
     for _ in range(s.cfg.env.num_servers):
-        proc = EnvServerProcess(s.cfg.env.name, env_options=s.cfg.env.options).start()
-        s.servers.append(proc)
-        urls.append(proc.url)
+        srv = spawn_env_server(s.cfg.env.name, s.cfg.env.options, runtime=s.cfg.env.runtime, image=s.cfg.env.image)
+        s.servers.append(srv)
+        urls.append(srv.url)
+    kinds = sorted({srv.kind for srv in s.servers})
+    print(f"env servers: {len(urls)} x {s.cfg.env.name} ({', '.join(kinds)}) at {', '.join(urls)}")
     return urls
 
 
 def ensure_servers_alive(key: str) -> int:
-    """Restart env servers that died (their episodes were masked). Returns the number restarted."""
-    s = get_session(key)
+    """Replace env servers that died (same port, so clients keep their URL). Returns the number replaced."""
+    return _replace_dead_servers(get_session(key))
+
+
+def _replace_dead_servers(s: Session) -> int:
     restarted = 0
-    for proc in s.servers:
-        if not proc.alive():
-            proc.restart()
+    for srv in s.servers:
+        if not srv.alive():
+            print(f"env server {srv!r} is down: replacing it ({srv.log_tail(5).strip()[-300:]!r})")
+            srv.restart()
             restarted += 1
     return restarted
 
@@ -176,7 +186,7 @@ def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, tur
     from envs.agentgym import make_async_client
     from tasks.backends.generation import SamplingParams
     from tasks.env_sessions import HttpEpisode
-    from tasks.rollout import EpisodeSpec, run_rollout
+    from tasks.rollout import EpisodeSpec, run_rollout_retrying
 
     specs = [EpisodeSpec(task_id=t, group_id=g) for g, t in enumerate(task_ids) for _ in range(samples)]
     params = SamplingParams(max_new_tokens, temperature, s.cfg.rollout.top_p)
@@ -191,8 +201,13 @@ def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, tur
                 print(f"  [{label}] turn {rnd}/{turn_limit}: {live} episodes still running, "
                       f"{st.generated_tokens} tokens generated ({st.tokens_per_s:.0f} tok/s)", flush=True)
 
-            return await run_rollout(specs, make, s.backend, s.chat, params, turn_limit,
-                                     s.cfg.rollout.token_budget, on_round, seed, s.cfg.rollout.max_live_episodes)
+            async def heal() -> int:  # a dead server is replaced on its port; its masked episodes run again
+                return await asyncio.to_thread(_replace_dead_servers, s)
+
+            return await run_rollout_retrying(specs, make, s.backend, s.chat, params, turn_limit,
+                                              s.cfg.rollout.token_budget, on_round, seed,
+                                              s.cfg.rollout.max_live_episodes, heal=heal,
+                                              retries=s.cfg.rollout.env_retries)
         finally:
             for c in clients:
                 await c.aclose()

@@ -203,3 +203,115 @@ def test_max_live_must_be_positive(tokenizer):
     with pytest.raises(ValueError, match="max_live"):
         asyncio.run(run_rollout([EpisodeSpec(0, 0)], lambda i: LocalEpisode(ToyEnv()), Scripted(tokenizer, ["x"]),
                                 chat, SamplingParams(8, 1.0), 1, 512, max_live=0))
+
+
+class FlakyOnce(LocalEpisode):
+    """Fails its first step for the episodes in ``FlakyOnce.bad`` (a server that died), then works."""
+
+    bad: set = set()
+    failed: set = set()
+
+    def __init__(self, env, i):
+        super().__init__(env)
+        self.i = i
+
+    async def step(self, reply_text):
+        if self.i in FlakyOnce.bad and self.i not in FlakyOnce.failed:
+            FlakyOnce.failed.add(self.i)
+            raise ConnectionError("env server died")
+        return await super().step(reply_text)
+
+
+def _retrying(tok, specs, make, retries, heal=None, seed=None):
+    from tasks.rollout import run_rollout_retrying
+
+    backend = SeedRecorder(tok) if seed is not None else Scripted(tok, ["Action: open door 1"])
+    trajs, stats = asyncio.run(run_rollout_retrying(specs, make, backend, ChatFormat.from_tokenizer(tok),
+                                                    SamplingParams(16, 1.0), 2, 2048, seed=seed, heal=heal,
+                                                    retries=retries))
+    return trajs, stats, backend
+
+
+def test_masked_episodes_are_retried_after_heal_with_their_own_seeds(tokenizer):
+    from tasks.rollout import episode_seed
+
+    FlakyOnce.bad, FlakyOnce.failed = {1, 3}, set()
+    healed = []
+
+    async def heal():
+        healed.append(1)
+        return 1
+
+    specs = [EpisodeSpec(t, t) for t in range(4)]
+    trajs, stats, backend = _retrying(tokenizer, specs, lambda i: FlakyOnce(ToyEnv(hint=False), i), 1, heal, seed=9)
+    assert healed == [1] and stats.servers_replaced == 1
+    assert stats.retried_episodes == 2 and stats.recovered_episodes == 2
+    assert not any(t.masked for t in trajs) and [t.task_id for t in trajs] == [0, 1, 2, 3]
+    assert [t.info.get("attempt", 1) for t in trajs] == [1, 2, 1, 2]
+    assert "env server died" in trajs[1].info["earlier_errors"][0]
+    # the retried episodes sampled with their own indices' seeds: (seed, 1, 0) twice, never (seed, 0, 0) again
+    first_turn = [episode_seed(9, i, 0) for i in range(4)]
+    assert sorted(s for s in backend.seeds if s in first_turn) == sorted(first_turn + [first_turn[1], first_turn[3]])
+    m = stats.as_metrics()
+    assert m["retried_episodes"] == 2 and m["recovered_episodes"] == 2 and m["env_servers_replaced"] == 1
+
+
+def test_without_retries_or_when_failing_again_the_episode_stays_masked(tokenizer):
+    FlakyOnce.bad, FlakyOnce.failed = {0}, set()
+    trajs, stats, _ = _retrying(tokenizer, [EpisodeSpec(0, 0), EpisodeSpec(1, 1)],
+                                lambda i: FlakyOnce(ToyEnv(), i), retries=0)
+    assert trajs[0].masked and not trajs[1].masked and stats.retried_episodes == 0
+
+    def make(i):
+        return Crashing(ToyEnv()) if i == 0 else LocalEpisode(ToyEnv())
+
+    trajs, stats, _ = _retrying(tokenizer, [EpisodeSpec(0, 0), EpisodeSpec(1, 1)], make, retries=2)
+    assert trajs[0].masked and trajs[0].finish_reason == "env_error" and trajs[0].info["attempt"] == 3
+    assert len(trajs[0].info["earlier_errors"]) == 2 and not trajs[1].masked
+    assert stats.retried_episodes == 2 and stats.recovered_episodes == 0
+
+
+def test_http_server_killed_mid_rollout_is_replaced_and_its_episodes_rerun(tokenizer):
+    """Real env server processes: one is SIGKILLed after the first turn; its episodes are masked, the server is
+    replaced on its port, and they run again to a score. The other server's episodes are untouched."""
+    from envs.client import AsyncEnvClient
+    from envs.spawn import EnvServerProcess
+    from tasks.env_sessions import HttpEpisode
+    from tasks.rollout import run_rollout_retrying
+
+    with EnvServerProcess("toy") as a, EnvServerProcess("toy") as b:
+        port, pid = b.port, b.pid
+
+        killed = []
+
+        def on_round(rnd, live, stats):
+            if rnd == 1 and not killed:  # once: the retry's first round passes this hook too
+                killed.append(b.pid)
+                b.kill()
+
+        async def heal():
+            n = 0
+            for srv in (a, b):
+                if not srv.alive():
+                    await asyncio.to_thread(srv.restart)
+                    n += 1
+            return n
+
+        async def go():
+            clients = [AsyncEnvClient(s.url, timeout_s=5, retries=1) for s in (a, b)]
+            try:
+                return await run_rollout_retrying(
+                    [EpisodeSpec(i, i) for i in range(6)], lambda i: HttpEpisode(clients[i % 2]),
+                    Scripted(tokenizer, ["Action: open door 9", "Action: open door 1"]),
+                    ChatFormat.from_tokenizer(tokenizer), SamplingParams(16, 1.0), 3, 2048, on_round, heal=heal)
+            finally:
+                for c in clients:
+                    await c.aclose()
+
+        trajs, stats = asyncio.run(go())
+        assert b.alive() and b.port == port and b.pid != pid  # replaced on the same port
+        assert stats.servers_replaced == 1 and stats.retried_episodes == 3 and stats.recovered_episodes == 3
+        assert not any(t.masked for t in trajs)
+        assert [t.info.get("attempt", 1) for t in trajs] == [1, 2, 1, 2, 1, 2]
+        assert all(t.finish_reason in ("success", "failure", "turn_limit") and t.turns >= 1 for t in trajs)
+        assert all(t.turns >= 2 and "attempt" not in t.info for t in trajs[0::2])  # server a's ran on, unaffected
