@@ -168,3 +168,30 @@ def test_real_daemon_serves_the_light_image():
         assert srv.alive()
     finally:
         srv.stop()
+
+
+def test_dockerfiles_match_the_repo():
+    """No daemon to build them here: check what can go stale: every image the spawner names has a Dockerfile,
+    every COPY source exists, and the env servers' pins are pyproject's."""
+    import re
+    import tomllib
+
+    d = REPO_ROOT / "infra" / "docker"
+    named = {containers.image_for(e).split("/")[1].split(":")[0] for e in ("babyai", "webarena", "sciworld")}
+    assert named == {"env-light", "env-web", "env-sciworld"}
+    for name in named | {"trainer-gpu"}:
+        text = (d / f"{name}.Dockerfile").read_text()
+        assert text.startswith("#") and "\nFROM " in text
+        for src in re.findall(r"^COPY (\S+)", text, flags=re.M):
+            assert (REPO_ROOT / src).exists(), f"{name}: COPY {src} does not exist"
+        if name != "trainer-gpu":
+            assert "EXPOSE 8000" in text and '"envs.server"' in text and "USER envs" in text
+    pins = dict(re.findall(r"^([A-Za-z0-9_.\[\]-]+)(==[^\s#]+)", (d / "requirements-env.txt").read_text(), re.M))
+    deps = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    pyproject = dict(re.match(r"([A-Za-z0-9_.\[\]-]+)(==\S+)", x).groups() for x in deps if "==" in x)
+    for pkg, ver in pins.items():
+        assert pyproject.get(pkg) == ver, f"{pkg}{ver} in requirements-env.txt, {pyproject.get(pkg)} in pyproject"
+    web = (d / "env-web.Dockerfile").read_text()
+    for pkg in ("playwright", "miniwob"):
+        assert f"{pkg}{pyproject[pkg]}" in web
+    assert f"scienceworld{pyproject['scienceworld']}" in (d / "env-sciworld.Dockerfile").read_text()
