@@ -1,9 +1,10 @@
 """Benchmark the engines of issue 8: vLLM vs transformers rollout, torch vs DeepSpeed update, env protocol overhead.
 
     python bench/bench_engines.py [--only rollout|update|env] [--episodes 8,32,64] [--turns 2] [--new-tokens 32]
+                                 [--envs babyai,sciworld] [--transport inproc,http]
 
-rollout: generated tok/s and env steps/s for N concurrent BabyAI episodes (the real rollout loop, envs
-  in-process), per backend; pure generation tok/s on the same prompts; the fraction of rollout wall time the
+rollout: generated tok/s and env steps/s for N concurrent BabyAI (and SciWorld) episodes (the real rollout
+  loop; envs in-process and behind a real env server over HTTP), per backend; pure generation tok/s on the same prompts; the fraction of rollout wall time the
   generator sat idle waiting for envs; a sequential per-episode loop (batch 1) as the baseline.
 update: GRPO-step tokens/s of the torch and DeepSpeed ZeRO-2 learners (fp32, bf16 autocast) next to a bare
   fp32/bf16 matmul roofline measured in the same run.
@@ -28,23 +29,54 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 LEVELS = "GoToObj,GoToRedBallGrey,GoToLocal"
 
 
-def _prompts(chat, n):
-    from envs.babyai.env import BabyAIEnv
+ENV_OPTIONS = {"babyai": {"levels": LEVELS}, "sciworld": {"max_jvms": 8, "jvm_heap_mb": 384}}
+MAX_LIVE = {"sciworld": 8}  # one JVM per live episode: the rest start as others end
 
-    env = BabyAIEnv(levels=LEVELS)
+
+def _prompts(chat, n, env_name="babyai"):
+    from envs.base import make_env
+
+    env = make_env(env_name, **ENV_OPTIONS.get(env_name, {}))
     out = []
     for i in range(n):
         obs, _ = env.reset(i)
         out.append(chat.prompt_ids(env.instruction(), obs))
+    env.close()
     return out
 
 
-def bench_rollout(episodes: list[int], turns: int, new_tokens: int, backends: list[str]) -> list[dict]:
+class _HttpEnvs:
+    """``make_env`` over a real env server process (one AsyncEnvClient per rollout)."""
+
+    def __init__(self, env_name):
+        from envs.spawn import EnvServerProcess
+
+        self.server = EnvServerProcess(env_name, env_options=ENV_OPTIONS.get(env_name, {}), max_envs=512).start()
+
+    async def run(self, specs, be, chat, params, turns, max_live):
+        from envs.client import AsyncEnvClient
+        from tasks.env_sessions import HttpEpisode
+        from tasks.rollout import run_rollout
+
+        client = AsyncEnvClient(self.server.url, timeout_s=120)
+        try:
+            return await run_rollout(specs, lambda i: HttpEpisode(client), be, chat, params, turns, 2048,
+                                     max_live=max_live)
+        finally:
+            await client.aclose()
+
+    def close(self):
+        self.server.stop()
+
+
+def bench_rollout(episodes: list[int], turns: int, new_tokens: int, backends: list[str],
+                  env_names: tuple[str, ...] = ("babyai",), transports: tuple[str, ...] = ("inproc",)) -> list[dict]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from core.chat import ChatFormat
     from tasks.backends.generation import SamplingParams, TransformersBackend
+    from tasks.backends.hardware import resolve_vllm_dtype
     from tasks.backends.model import resolve_model
     from tasks.env_sessions import local_factory
     from tasks.rollout import EpisodeSpec, run_rollout
@@ -59,30 +91,44 @@ def bench_rollout(episodes: list[int], turns: int, new_tokens: int, backends: li
         if name == "vllm":
             from tasks.backends.vllm_backend import VLLMBackend
 
-            be = VLLMBackend(path, tok.eos_token_id, dtype="bfloat16", enforce_eager=True, max_model_len=2048)
+            be = VLLMBackend(path, tok.eos_token_id, dtype=resolve_vllm_dtype(None), enforce_eager=True,
+                             max_model_len=2048)
         else:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-            be = TransformersBackend(model, tok.eos_token_id, tok.eos_token_id, batch_size=64)
+            be = TransformersBackend(model, tok.eos_token_id, tok.eos_token_id, batch_size=64, bf16_autocast=False)
         start_s = time.time() - t0
         be.generate(_prompts(chat, 2), SamplingParams(4, 1.0))  # warm-up
-        for n in episodes:
-            prompts = _prompts(chat, n)
-            t = time.time()
-            gens = be.generate(prompts, params)
-            dt = time.time() - t
-            pure = sum(len(g.token_ids) for g in gens) / dt
-            specs = [EpisodeSpec(task_id=i, group_id=i) for i in range(n)]
-            trajs, st = asyncio.run(run_rollout(specs, local_factory("babyai", {"levels": LEVELS}), be, chat, params,
-                                                turns, 2048))
-            idle = 1 - st.gen_time_s / st.wall_time_s if st.wall_time_s else 0.0
-            row = {"section": "rollout", "backend": name, "episodes": n, "engine_start_s": start_s,
-                   "pure_gen_tok_s": pure, "rollout_tok_s": st.generated_tokens / st.wall_time_s,
-                   "rollout_gen_tok_s": st.tokens_per_s, "env_steps_s_wall": st.env_steps / st.wall_time_s,
-                   "generator_idle_frac": idle, "rollout_vs_pure": (st.generated_tokens / st.wall_time_s) / pure,
-                   "wall_s": st.wall_time_s}
-            rows.append(row)
-            print(row, flush=True)
-        # sequential baseline: one episode at a time (batch 1), 4 episodes
+        for env_name in env_names:
+            for transport in transports:
+                http = _HttpEnvs(env_name) if transport == "http" else None
+                max_live = MAX_LIVE.get(env_name)
+                try:
+                    for n in episodes:
+                        prompts = _prompts(chat, n, env_name)
+                        t = time.time()
+                        gens = be.generate(prompts, params)
+                        dt = time.time() - t
+                        pure = sum(len(g.token_ids) for g in gens) / dt
+                        specs = [EpisodeSpec(task_id=i, group_id=i) for i in range(n)]
+                        if http is not None:
+                            trajs, st = asyncio.run(http.run(specs, be, chat, params, turns, max_live))
+                        else:
+                            trajs, st = asyncio.run(run_rollout(specs, local_factory(env_name,
+                                                                                     ENV_OPTIONS.get(env_name, {})),
+                                                                be, chat, params, turns, 2048, max_live=max_live))
+                        idle = 1 - st.gen_time_s / st.wall_time_s if st.wall_time_s else 0.0
+                        row = {"section": "rollout", "backend": name, "env": env_name, "transport": transport,
+                               "episodes": n, "engine_start_s": start_s, "pure_gen_tok_s": pure,
+                               "rollout_tok_s": st.generated_tokens / st.wall_time_s,
+                               "rollout_gen_tok_s": st.tokens_per_s, "env_steps_s_wall": st.env_steps / st.wall_time_s,
+                               "generator_idle_frac": idle, "rollout_vs_pure": (st.generated_tokens / st.wall_time_s) / pure,
+                               "masked": sum(t.masked for t in trajs), "wall_s": st.wall_time_s}
+                        rows.append(row)
+                        print(row, flush=True)
+                finally:
+                    if http is not None:
+                        http.close()
+        # sequential baseline: one episode at a time (batch 1), 4 BabyAI episodes in-process
         specs = [EpisodeSpec(task_id=i, group_id=i) for i in range(4)]
         t = time.time()
         ntok = 0
@@ -90,8 +136,8 @@ def bench_rollout(episodes: list[int], turns: int, new_tokens: int, backends: li
             trajs, st = asyncio.run(run_rollout([sp], local_factory("babyai", {"levels": LEVELS}), be, chat, params,
                                                 turns, 2048))
             ntok += st.generated_tokens
-        rows.append({"section": "rollout", "backend": name, "episodes": "4 sequential", "rollout_tok_s":
-                     ntok / (time.time() - t)})
+        rows.append({"section": "rollout", "backend": name, "env": "babyai", "transport": "inproc",
+                     "episodes": "4 sequential", "rollout_tok_s": ntok / (time.time() - t)})
         print(rows[-1], flush=True)
         if hasattr(be, "close"):
             be.close()
@@ -223,6 +269,8 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--backends", default="vllm,transformers")
+    ap.add_argument("--envs", default="babyai", help="rollout envs, e.g. babyai,sciworld")
+    ap.add_argument("--transport", default="inproc,http", help="rollout env transport: inproc, http or both")
     ap.add_argument("--engines", default="torch,deepspeed-zero2")
     ap.add_argument("--update-seqs", type=int, default=8)
     ap.add_argument("--update-len", type=int, default=512)
@@ -233,7 +281,8 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     rows: list[dict] = []
     if a.only in (None, "rollout"):
-        rows += bench_rollout([int(x) for x in a.episodes.split(",")], a.turns, a.new_tokens, a.backends.split(","))
+        rows += bench_rollout([int(x) for x in a.episodes.split(",")], a.turns, a.new_tokens, a.backends.split(","),
+                              tuple(a.envs.split(",")), tuple(a.transport.split(",")))
     if a.only in (None, "update"):
         rows += bench_update(a.update_seqs, a.update_len, a.engines.split(","))
     if a.only in (None, "env"):

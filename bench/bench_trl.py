@@ -1,0 +1,254 @@
+"""The same single-turn GRPO workload run by TRL's GRPOTrainer and by ScalingInter, side by side.
+
+    pip install -e '.[bench]'        # trl==1.16.0 (optional; not installed by infra/install.sh)
+    python bench/bench_trl.py [--steps 3] [--only ours,trl] [--engine vllm|transformers]
+
+Workload (both sides): SmolLM2-135M-Instruct; per step 8 prompts x 4 generations (temperature 1.0,
+<= 64 new tokens), prompts are BabyAI first-turn chat prompts (~250 tokens); reward 1 when the reply names
+an action the observation offers (the BabyAI parser), else 0; group-normalised advantages; one optimizer step
+over the 32 sequences (4 micro-batches of 8), AdamW lr 1e-6, KL to the frozen initial model 0.001.
+Precision follows the hardware on both sides (bf16 autocast where bf16 is native, fp32 elsewhere).
+
+Each side runs in its own child process; the parent samples the RSS of the child's whole process tree (our
+vLLM engine is a grandchild) every 0.2 s. Reported: seconds per step (median of the steps after the first,
+which pays for warm-up), trained tokens/s, peak RSS. Prints a table and writes bench/results/trl-<time>.json.
+Run on an idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+LEVELS = "GoToObj,GoToRedBallGrey,GoToLocal"
+PROMPTS, GENS, NEW_TOKENS, MICRO = 8, 4, 64, 8
+LR, KL = 1e-6, 0.001
+
+
+def babyai_prompts(n: int) -> list[dict]:
+    """n BabyAI first-turn prompts: system (instruction), user (observation), the actions offered."""
+    from envs.babyai.env import BabyAIEnv
+
+    env = BabyAIEnv(levels=LEVELS)
+    out = []
+    for i in range(n):
+        obs, info = env.reset(i)
+        out.append({"system": env.instruction(), "user": obs, "available": list(env.available_actions())})
+    return out
+
+
+def reward(text: str, available: list[str]) -> float:
+    from envs.babyai.parse import parse_action
+
+    return 1.0 if parse_action(text, available).action is not None else 0.0
+
+
+def _timings(step_times: list[float], tokens: list[int]) -> dict:
+    later = step_times[1:] or step_times
+    return {"step_s": statistics.median(later), "first_step_s": step_times[0], "steps": len(step_times),
+            "trained_tok_s": sum(tokens[1:] or tokens) / sum(later), "step_times_s": step_times}
+
+
+# --- ScalingInter -----------------------------------------------------------------------------------------
+def run_ours(steps: int, engine: str) -> dict:
+    import torch
+    from transformers import AutoTokenizer
+
+    from core.advantages import EstimatorParams, trajectory_advantages
+    from core.chat import ChatFormat
+    from core.trajectory import Trajectory
+    from tasks.backends.generation import SamplingParams, TransformersBackend
+    from tasks.backends.hardware import resolve_bf16, resolve_vllm_dtype
+    from tasks.backends.learner import LearnerConfig, TorchLearner
+    from tasks.backends.model import resolve_model
+
+    torch.manual_seed(0)
+    path = resolve_model("smollm2-135m")
+    tok = AutoTokenizer.from_pretrained(path)
+    chat = ChatFormat.from_tokenizer(tok)
+    bf16 = resolve_bf16(None)
+    learner = TorchLearner(path, LearnerConfig(lr=LR, kl_coef=KL, micro_batch_size=MICRO, bf16_autocast=bf16,
+                                               temperature=1.0), reference_path=path)
+    if engine == "vllm":
+        from tasks.backends.vllm_backend import VLLMBackend, export_fn
+
+        backend = VLLMBackend(path, tok.eos_token_id, dtype=resolve_vllm_dtype(None), enforce_eager=True,
+                              max_model_len=1024, seed=0, export_weights=export_fn(learner))
+    else:
+        backend = TransformersBackend(learner.model, tok.eos_token_id, tok.eos_token_id, 32, bf16)
+    data = babyai_prompts(PROMPTS * steps)
+    times, tokens, rewards = [], [], []
+    for step in range(steps):
+        t0 = time.time()
+        batch = data[step * PROMPTS:(step + 1) * PROMPTS]
+        ids = [chat.prompt_ids(d["system"], d["user"]) for d in batch]
+        gens = backend.generate([p for p in ids for _ in range(GENS)], SamplingParams(NEW_TOKENS, 1.0))
+        trajs = []
+        for k, g in enumerate(gens):
+            d = batch[k // GENS]
+            t = Trajectory(task_id=step * PROMPTS + k // GENS, group_id=k // GENS)
+            t.start(ids[k // GENS])
+            t.add_action(g.token_ids, g.logprobs)
+            r = reward(tok.decode(g.token_ids, skip_special_tokens=True), d["available"])
+            t.set_turn_reward(r)
+            t.finish("success" if r > 0 else "failure", r > 0)
+            trajs.append(t)
+        prepared = learner.prepare(trajs)
+        advs, _, _ = trajectory_advantages("grpo", EstimatorParams(kl_coef=KL), trajs)
+        learner.update(trajs, advs, prepared=prepared)
+        backend.sync_weights()
+        times.append(time.time() - t0)
+        tokens.append(sum(len(t.token_ids) for t in trajs))
+        rewards.append(sum(t.reward for t in trajs) / len(trajs))
+        print(f"[ours] step {step + 1}/{steps}: {times[-1]:.1f} s, mean reward {rewards[-1]:.3f}", flush=True)
+    if hasattr(backend, "close"):
+        backend.close()
+    prompt_lens = [len(chat.prompt_ids(d["system"], d["user"])) for d in data]
+    return {"framework": f"scalinginter ({engine} + torch learner)", "precision": "bf16 autocast" if bf16 else "fp32",
+            "mean_prompt_tokens": sum(prompt_lens) / len(prompt_lens), "mean_reward": rewards,
+            **_timings(times, tokens)}
+
+
+# --- TRL --------------------------------------------------------------------------------------------------
+def run_trl(steps: int) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from tasks.backends.hardware import resolve_bf16
+    from tasks.backends.model import resolve_model
+
+    torch.manual_seed(0)
+    path = resolve_model("smollm2-135m")
+    tok = AutoTokenizer.from_pretrained(path)
+    bf16 = resolve_bf16(None)
+    data = babyai_prompts(PROMPTS * steps)
+    ds = Dataset.from_list([{"prompt": [{"role": "system", "content": d["system"]},
+                                        {"role": "user", "content": d["user"]}],
+                             "available": d["available"]} for d in data])
+
+    def reward_fn(prompts, completions, available, **kw):
+        return [reward(c[0]["content"] if isinstance(c, list) else c, a) for c, a in zip(completions, available)]
+
+    times: list[float] = []
+    tokens: list[int] = []
+    rewards: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.time()
+
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.time() - self.t0)
+            print(f"[trl] step {len(times)}/{steps}: {times[-1]:.1f} s", flush=True)
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "reward" in logs:
+                rewards.append(float(logs["reward"]))
+            if logs and "num_tokens" in logs:
+                tokens.append(int(logs["num_tokens"]))
+
+    with tempfile.TemporaryDirectory() as out:
+        cfg = GRPOConfig(output_dir=out, per_device_train_batch_size=MICRO,
+                         gradient_accumulation_steps=PROMPTS * GENS // MICRO, num_generations=GENS,
+                         max_completion_length=NEW_TOKENS, learning_rate=LR, beta=KL, temperature=1.0,
+                         bf16=bf16, use_cpu=True, max_steps=steps, logging_steps=1, report_to="none",
+                         save_strategy="no", shuffle_dataset=False, seed=0, dataloader_num_workers=0,
+                         lr_scheduler_type="constant", warmup_steps=0)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=cfg, train_dataset=ds, processing_class=tok,
+                              callbacks=[Timer()])
+        trainer.train()
+    # num_tokens is TRL's running total of prompt + completion tokens; per step = differences
+    per_step = [b - a for a, b in zip([0] + tokens[:-1], tokens)] if len(tokens) == len(times) else [0] * len(times)
+    return {"framework": "trl GRPOTrainer (HF generate)", "precision": "bf16 autocast" if bf16 else "fp32",
+            "mean_reward": rewards, **_timings(times, per_step)}
+
+
+# --- driver -----------------------------------------------------------------------------------------------
+def _tree_rss(pid: int) -> int:
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        procs = [p] + p.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for q in procs:
+        try:
+            total += q.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def run_child(which: str, steps: int, engine: str) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    cmd = [sys.executable, __file__, "--worker", which, "--steps", str(steps), "--engine", engine, "--out", out]
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, cwd=str(ROOT))
+    peak = 0
+    while proc.poll() is None:
+        peak = max(peak, _tree_rss(proc.pid))
+        time.sleep(0.2)
+    if proc.returncode != 0:
+        raise SystemExit(f"{which} failed with exit code {proc.returncode}")
+    row = json.loads(Path(out).read_text())
+    os.unlink(out)
+    row.update(peak_rss_gib=peak / 2**30, wall_s=time.time() - t0)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=3, help="training steps per side (the first is not timed)")
+    ap.add_argument("--only", default="ours,trl")
+    ap.add_argument("--engine", choices=["vllm", "transformers"], default="vllm", help="our generation backend")
+    ap.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.steps < 2:
+        ap.error("--steps must be >= 2 (the first step is warm-up)")
+    if a.worker:
+        if a.worker == "ours":
+            row = run_ours(a.steps, a.engine)
+        else:
+            row = run_trl(a.steps)
+        Path(a.out).write_text(json.dumps(row))
+        return
+    which = [w.strip() for w in a.only.split(",") if w.strip()]
+    if "trl" in which:
+        try:
+            import trl  # noqa: F401
+        except ImportError:
+            raise SystemExit("TRL is not installed: pip install -e '.[bench]' (trl==1.16.0), or --only ours")
+    rows = [run_child(w, a.steps, a.engine) for w in which]
+    print(f"\n{'framework':44} {'precision':14} {'s/step':>8} {'tok/s':>8} {'peak RSS GiB':>13}")
+    for r in rows:
+        print(f"{r['framework']:44} {r['precision']:14} {r['step_s']:8.1f} {r['trained_tok_s']:8.1f} "
+              f"{r['peak_rss_gib']:13.2f}")
+    if len(rows) == 2:
+        print(f"speed-up per step: {rows[1]['step_s'] / rows[0]['step_s']:.2f}x, "
+              f"memory ratio: {rows[0]['peak_rss_gib'] / rows[1]['peak_rss_gib']:.2f}")
+    res = ROOT / "bench" / "results" / f"trl-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    res.parent.mkdir(parents=True, exist_ok=True)
+    res.write_text(json.dumps({"workload": {"prompts": PROMPTS, "generations": GENS, "max_new_tokens": NEW_TOKENS,
+                                            "micro_batch": MICRO, "lr": LR, "kl": KL}, "rows": rows}, indent=2))
+    print(f"wrote {res}")
+
+
+if __name__ == "__main__":
+    main()
