@@ -28,15 +28,44 @@ def test_ds_config_fills_run_values_and_validates_stage():
         ds_config(4, LearnerConfig())
 
 
-def test_shards_are_equal_interleaved_and_disjoint():
-    from tasks.backends.deepspeed_learner import shard_for_rank
+def test_shards_are_interleaved_disjoint_and_keep_every_episode():
+    from tasks.backends.deepspeed_learner import shard_for_rank, shard_padding
 
     live = [0, 2, 3, 5, 6, 7, 9]
     a, b = shard_for_rank(live, 0, 2), shard_for_rank(live, 1, 2)
-    assert a == [0, 3, 6] and b == [2, 5, 7] and not set(a) & set(b)  # 9 dropped: equal collective steps
-    assert shard_for_rank(live, 0, 1) == live
+    assert a == [0, 3, 6, 9] and b == [2, 5, 7] and sorted(a + b) == live  # nothing dropped
+    assert (shard_padding(7, 0, 2), shard_padding(7, 1, 2)) == (0, 1)  # every rank trains on 4 sequences
+    assert [shard_padding(5, r, 3) for r in range(3)] == [0, 0, 1] and shard_padding(2, 2, 3) == 1
+    assert shard_for_rank(live, 0, 1) == live and shard_padding(7, 0, 1) == 0
     with pytest.raises(ValueError):
         shard_for_rank(live, 2, 2)
+
+
+def test_zero_weight_padding_does_not_change_the_update(tmp_path):
+    """A rank's padding copy runs forward/backward but leaves the step exactly as without it (tiny model)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from tasks.backends.deepspeed_learner import zero_weight_copy
+    from tasks.backends.learner import TorchLearner
+    from tasks.backends.model import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    trajs, advs = _batch(n=3)
+    for loss_agg in ("token-mean", "seq-mean"):
+        cfg = LearnerConfig(lr=1e-3, kl_coef=0.01, micro_batch_size=2, bf16_autocast=False, loss_agg=loss_agg)
+        plain, padded = TorchLearner(str(tmp_path), cfg), TorchLearner(str(tmp_path), cfg)
+        pad = zero_weight_copy(trajs[0])
+        assert pad.num_policy_tokens == 0 and trajs[0].num_policy_tokens > 0 and pad.token_ids == trajs[0].token_ids
+        sa = plain.update(trajs, advs)
+        sb = padded.update(trajs + [pad], advs + [[0.0] * len(advs[0])])
+        assert sb["loss"] == pytest.approx(sa["loss"], rel=1e-5) and sb["grad_norm"] == pytest.approx(sa["grad_norm"], rel=1e-5)
+        wa, wb = plain.model.state_dict(), padded.model.state_dict()
+        assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-6
 
 
 def test_shard_prepared_reindexes_rows():
@@ -44,8 +73,9 @@ def test_shard_prepared_reindexes_rows():
 
     p = Prepared(live=[1, 4, 6], seqs=[[1], [4], [6]], old=[[-1.0], [-4.0], [-6.0]], ref=None, values=None,
                  stats={"logprob_mismatch": 0.1})
-    s = shard_prepared(p, 1, 2)
-    assert s.live == [0] and s.seqs == [[4]] and s.old == [[-4.0]] and s.ref is None
+    s = shard_prepared(p, 1, 2)  # rank 1 of 2 gets entry 1 and pads with a copy of it
+    assert s.live == [0, 1] and s.seqs == [[4], [4]] and s.old == [[-4.0], [-4.0]] and s.ref is None
+    assert shard_prepared(p, 0, 2).seqs == [[1], [6]]
     assert s.stats == {"logprob_mismatch": 0.1}
 
 
@@ -119,7 +149,8 @@ def test_two_rank_zero2_step_under_torchrun(tmp_path):
         prep = learner.prepare(trajs)
         assert len(prep.live) == 5
         st = learner.update(trajs, advs, prepared=prep)
-        assert st["dropped_for_sharding"] == 1.0 and st["grad_norm"] > 0 and st["optimizer_steps"] == 1.0
+        assert st["padded_for_sharding"] == 1.0 and st["sequences_trained"] == 5.0  # 3 + (2 + a zero-weight copy)
+        assert st["grad_norm"] > 0 and st["optimizer_steps"] == 1.0
         learner.save(tmp_path / "ck", {"phase_step": 1})
         learner.save_weights(tmp_path / "w")
     finally:
@@ -150,3 +181,34 @@ def test_zero3_multi_gpu_step(tmp_path):
         assert (tmp_path / "ck" / "model.safetensors").exists()
     finally:
         learner.close()
+
+
+@pytest.mark.slow
+def test_deepspeed_ppo_checkpoint_keeps_the_critic(tmp_path):
+    """learner.engine=deepspeed with algo.estimator=ppo: the critic (weights + optimizer) is saved and restored."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from tasks.backends.deepspeed_learner import DeepSpeedLearner
+    from tasks.backends.model import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
+    torch.manual_seed(0)
+    model_dir = tmp_path / "tiny"
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    cfg = LearnerConfig(lr=1e-3, kl_coef=0.0, micro_batch_size=2, bf16_autocast=False, critic=True, critic_lr=1e-2)
+    a = DeepSpeedLearner(str(model_dir), cfg, zero_stage=2)
+    trajs, advs = _batch(n=2)
+    rets = [[1.0 * m for m in t.loss_mask] for t in trajs]
+    a.update(trajs, advs, returns=rets)
+    a.save(tmp_path / "ck", {"phase_step": 1})
+    assert (tmp_path / "ck" / "critic" / "model.pt").exists() and (tmp_path / "ck" / "critic" / "optimizer.pt").exists()
+    trained = {k: v.clone() for k, v in a.critic.net.state_dict().items()}
+    b = DeepSpeedLearner(str(model_dir), cfg, zero_stage=2)
+    fresh = b.critic.net.state_dict()
+    assert max((trained[k] - fresh[k]).abs().max().item() for k in trained) > 0  # the critic did train
+    b.load_training_state(tmp_path / "ck")
+    assert all(torch.equal(trained[k], v) for k, v in b.critic.net.state_dict().items())
+    assert len(b.critic.opt.state) > 0

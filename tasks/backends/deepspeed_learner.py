@@ -67,17 +67,34 @@ def ds_config(stage: int, cfg: LearnerConfig, *, offload_optimizer: bool = False
 
 
 def shard_for_rank(live: list[int], rank: int, world: int) -> list[int]:
-    """An equal share of ``live`` for ``rank`` (interleaved; the ``len(live) % world`` leftovers are dropped so
-    every rank runs the same number of collective steps)."""
+    """This rank's share of ``live``, interleaved; shares differ in size by at most one and together hold every
+    entry (``shard_padding`` says how many zero-weight copies a short rank adds)."""
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"bad rank {rank} of world {world}")
-    per = len(live) // world
-    return live[rank::world][:per]
+    return live[rank::world]
+
+
+def shard_padding(n: int, rank: int, world: int) -> int:
+    """Zero-weight sequences rank ``rank`` adds so every rank trains on ceil(n / world) sequences: the same
+    number of micro-batches, so the same collective steps, and no episode left out."""
+    size = -(-n // world)
+    return size - len(range(rank, n, world))
+
+
+def zero_weight_copy(t: Trajectory) -> Trajectory:
+    """A copy of ``t`` with an all-zero loss mask: it runs forward and backward (keeping the ranks' collective
+    steps in line) and contributes nothing to the loss or its normalisation."""
+    c = copy.copy(t)
+    c.loss_mask = [0] * len(t.loss_mask)
+    c.info = {**t.info, "sharding_padding": True}
+    return c
 
 
 def shard_prepared(p: Prepared, rank: int, world: int) -> Prepared:
-    """This rank's share of a ``Prepared`` batch, re-indexed to the sub-list of trajectories it trains on."""
+    """This rank's share of a ``Prepared`` batch (padded as ``shard_padding`` says), re-indexed to the sub-list
+    of trajectories it trains on."""
     ks = shard_for_rank(list(range(len(p.live))), rank, world)
+    ks = ks + [ks[0] if ks else 0] * shard_padding(len(p.live), rank, world)
 
     def pick(rows):
         return None if rows is None else [rows[k] for k in ks]
@@ -180,15 +197,24 @@ class DeepSpeedLearner(TorchLearner):
     # -- update over this rank's share ----------------------------------------------------------------------
     def update_shard(self, trajs: list[Trajectory], advantages: list[list[float]], prepared: Prepared | None = None,
                      returns: list[list[float]] | None = None) -> dict[str, float]:
-        """Every rank gets the whole batch (and has prepared it) and trains on its equal share."""
+        """Every rank gets the whole batch (and has prepared it) and trains on its share; a rank one sequence
+        short trains on a zero-weight copy as well, so no episode is dropped and the collectives line up."""
         p = prepared if prepared is not None else self.prepare(trajs)
-        sub = shard_prepared(p, self.rank, self.world_size)
-        if not sub.live:
+        if not p.live:
             return {"skipped": 1.0}
-        idx = [p.live[k] for k in shard_for_rank(list(range(len(p.live))), self.rank, self.world_size)]
-        st = self.update([trajs[i] for i in idx], [advantages[i] for i in idx], prepared=sub,
-                         returns=[returns[i] for i in idx] if returns is not None else None)
-        st["dropped_for_sharding"] = float(len(p.live) - len(idx) * self.world_size)
+        sub = shard_prepared(p, self.rank, self.world_size)
+        ks = shard_for_rank(list(range(len(p.live))), self.rank, self.world_size)
+        pad = shard_padding(len(p.live), self.rank, self.world_size)
+        first = p.live[ks[0] if ks else 0]
+        idx = [p.live[k] for k in ks]
+        t_sub = [trajs[i] for i in idx] + [zero_weight_copy(trajs[first]) for _ in range(pad)]
+        a_sub = [advantages[i] for i in idx] + [[0.0] * len(advantages[first]) for _ in range(pad)]
+        r_sub = None
+        if returns is not None:
+            r_sub = [returns[i] for i in idx] + [[0.0] * len(returns[first]) for _ in range(pad)]
+        st = self.update(t_sub, a_sub, prepared=sub, returns=r_sub)
+        st["padded_for_sharding"] = float(-(-len(p.live) // self.world_size) * self.world_size - len(p.live))
+        st["sequences_trained"] = float(len(p.live))
         return st
 
     # -- weights and checkpoints --------------------------------------------------------------------------
@@ -221,6 +247,8 @@ class DeepSpeedLearner(TorchLearner):
         if self.rank == 0:
             (directory / "deepspeed" / "layout.json").write_text(json.dumps(
                 {"world_size": self.world_size, "zero_stage": self.zero_stage}))
+            if self.critic is not None:  # PPO (single rank): the value model and its optimizer, as the torch learner
+                self.critic.save(directory)
         self._barrier()
 
     def load_training_state(self, directory: Path, weights: bool = True) -> dict[str, Any]:
@@ -238,6 +266,8 @@ class DeepSpeedLearner(TorchLearner):
                 warnings.warn(f"optimizer state in {directory} is for another layout ({layout or 'torch learner'}, "
                               f"here world_size={self.world_size}, zero_stage={self.zero_stage}): continuing with "
                               f"the checkpoint's weights and a fresh optimizer", stacklevel=2)
+        if self.critic is not None:
+            self.critic.load(directory)
         rng_file = directory / "rng.pt"
         if rng_file.exists():
             rng = torch.load(rng_file, weights_only=False)

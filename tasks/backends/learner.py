@@ -218,7 +218,9 @@ class TorchLearner:
                 order = torch.randperm(len(live)).tolist()
             for m0, m1 in zip(bounds, bounds[1:]):
                 mini = order[m0:m1]
-                w_seq = sequence_weights([trajs[live[k]].num_policy_tokens for k in mini], self.cfg.loss_agg)
+                n_pol = [trajs[live[k]].num_policy_tokens for k in mini]
+                # (a mini-batch of only zero-weight sharding padding still runs, with weight 0, for the collectives)
+                w_seq = sequence_weights(n_pol, self.cfg.loss_agg) if sum(n_pol) else [0.0] * len(mini)
                 self._zero_grad()
                 if self.critic is not None:
                     self.critic.zero_grad()
