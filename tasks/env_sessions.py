@@ -8,7 +8,7 @@ from typing import Any
 from envs.base import TextEnv, TurnLimit
 from envs.client import AsyncEnvClient
 from envs.errors import EnvError
-from tasks.rollout import EnvInfraError, EnvReply
+from tasks.rollout import EnvConfigError, EnvInfraError, EnvReply
 
 
 class HttpEpisode:
@@ -24,6 +24,9 @@ class HttpEpisode:
                 self.env_id = await self.client.create()
             r = await self.client.reset(self.env_id, data_idx)
         except EnvError as e:
+            if e.code == "bad_data_idx":
+                raise EnvConfigError(f"{e}. The run draws train tasks from [0, env.task_pool): set env.task_pool "
+                                     "to at most the env's train split size (--set env.task_pool=N)") from e
             raise EnvInfraError(str(e)) from e
         return EnvReply(observation=r.observation, info=dict(r.info), instruction=r.instruction)
 

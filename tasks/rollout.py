@@ -39,6 +39,11 @@ class EnvInfraError(RuntimeError):
     """The environment failed (server down, 5xx, timeout): the episode is masked, not scored."""
 
 
+class EnvConfigError(ValueError):
+    """The env refused what the run asked of it (e.g. a task index outside its split): a configuration error,
+    raised at once rather than masked, since every episode would fail the same way."""
+
+
 @dataclass
 class EpisodeSpec:
     task_id: int  # data_idx
@@ -75,6 +80,8 @@ class RolloutStats:
 async def _safe(coro: Awaitable[EnvReply]) -> EnvReply | Exception:
     try:
         return await coro
+    except EnvConfigError:
+        raise
     except Exception as e:  # noqa: BLE001 - any env failure masks the episode
         return e
 

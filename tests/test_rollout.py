@@ -315,3 +315,24 @@ def test_http_server_killed_mid_rollout_is_replaced_and_its_episodes_rerun(token
         assert [t.info.get("attempt", 1) for t in trajs] == [1, 2, 1, 2, 1, 2]
         assert all(t.finish_reason in ("success", "failure", "turn_limit") and t.turns >= 1 for t in trajs)
         assert all(t.turns >= 2 and "attempt" not in t.info for t in trajs[0::2])  # server a's ran on, unaffected
+
+
+def test_a_task_index_the_env_refuses_is_a_config_error_not_a_masked_episode(tokenizer):
+    """HTTP 400 bad_data_idx (e.g. env.task_pool larger than the env's split) fails the rollout with the fix."""
+    from envs.client import AsyncEnvClient
+    from envs.spawn import EnvServerProcess
+    from tasks.env_sessions import HttpEpisode
+    from tasks.rollout import EnvConfigError
+
+    with EnvServerProcess("toy") as server:
+        async def go():
+            client = AsyncEnvClient(server.url, timeout_s=5)
+            try:
+                return await run_rollout([EpisodeSpec(0, 0), EpisodeSpec(5_000, 1)], lambda i: HttpEpisode(client),
+                                         Scripted(tokenizer, ["Action: open door 1"]),
+                                         ChatFormat.from_tokenizer(tokenizer), SamplingParams(16, 1.0), 2, 2048)
+            finally:
+                await client.aclose()
+
+        with pytest.raises(EnvConfigError, match=r"out of range(.|\n)*env.task_pool"):
+            asyncio.run(go())

@@ -1,0 +1,127 @@
+"""PPO (critic) and the gated curriculum through the real flows: the `scalinginter` CLI, Prefect's ephemeral API,
+an env server process, MLflow sqlite, local checkpoints. A small random Llama with the real SmolLM2 tokenizer
+keeps it fast; the run is killed after step 1 and resumed, and must end where an uninterrupted run ends: the
+same gated transitions (the gate's state is in the checkpoint), the same policy and critic weights."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+PHASES = '[{"turn_limit": 1, "steps": 3}, {"turn_limit": 2, "steps": 2}]'
+
+
+def warm_start(model, tok, steps: int = 80) -> None:
+    """Supervised steps on toy prompts answered with a uniformly random door, so the policy knows the answer
+    format (not which door): success ~1/3, and the estimators get signal."""
+    from core.chat import ChatFormat
+    from envs.toy import ToyEnv
+
+    chat = ChatFormat.from_tokenizer(tok)
+    env = ToyEnv()
+    prompts = []
+    for i in range(16):
+        obs, _ = env.reset(i)
+        prompts.append(chat.prompt_ids(env.instruction(), obs))
+    replies = [chat.encode(f"Action: open door {d}") + [tok.eos_token_id] for d in (1, 2, 3)]
+    gen = torch.Generator().manual_seed(0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        rows, targets = [], []
+        for p, d in zip(torch.randint(0, 16, (12,), generator=gen).tolist(),
+                        torch.randint(0, 3, (12,), generator=gen).tolist()):
+            rows.append(prompts[p] + replies[d])
+            targets.append([-100] * len(prompts[p]) + replies[d])
+        width = max(map(len, rows))
+        ids = torch.tensor([r + [tok.eos_token_id] * (width - len(r)) for r in rows])
+        labels = torch.tensor([t + [-100] * (width - len(t)) for t in targets])
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from tasks.backends.model import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                         max_position_embeddings=1024, bos_token_id=tok.bos_token_id,
+                                         eos_token_id=tok.eos_token_id))
+    warm_start(model, tok)
+    d = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def cli(out, model, name, *extra):
+    exe = Path(sys.executable).with_name("scalinginter")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "flows.cli"]
+    sets = [f"model.path={model}", "rollout.backend=transformers", "algo.estimator=ppo", "algo.lr=1e-3",
+            "algo.critic.lr=1e-3", "curriculum.mode=gated", f"curriculum.phases={PHASES}",
+            "curriculum.gate.min_steps=1", "curriculum.gate.patience=1", "curriculum.gate.window=1",
+            "rollout.tasks_per_step=2", "rollout.samples_per_task=2", "rollout.max_new_tokens=8",
+            "rollout.token_budget=512", "env.task_pool=1000", "eval.before=false", "eval.after=false", "tracking.log_trajectories=0",
+            f"output_dir={out}"]
+    cmd += ["run", "toy", "--run-name", name] + [a for s in sets + list(extra) for a in ("--set", s)]
+    return subprocess.run(cmd, cwd=out, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                          text=True, timeout=900)
+
+
+def steps_logged(out, name):
+    return [(r["phase"], r["global_step"]) for r in
+            map(json.loads, (out / name / "metrics.jsonl").read_text().splitlines())]
+
+
+def test_ppo_gated_run_killed_and_resumed_ends_like_an_uninterrupted_one(tmp_path, tiny_model):
+    p = cli(tmp_path, tiny_model, "cut", "fail_after_step=1")
+    assert p.returncode != 0 and "fault injection" in (p.stdout + p.stderr)
+    assert steps_logged(tmp_path, "cut") == [(1, 1)]
+
+    p = cli(tmp_path, tiny_model, "cut")
+    log = p.stdout + p.stderr
+    assert p.returncode == 0, log[-3000:]
+    assert "phase 1: resuming after step 1/3" in log
+    rows = [json.loads(line) for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r["episodes_with_signal"] for r in rows) > 0, "no reward signal: the test would prove nothing"
+    ck = tmp_path / "checkpoints" / "cut"
+    s1 = json.loads((ck / "phase-1" / "final" / "trainer_state.json").read_text())
+    p1 = [r for r in rows if r["phase"] == 1]
+    # the gate saw every phase-1 step, the one before the kill included (its state came from the checkpoint)
+    assert s1["gate"]["history"] == [r["success_rate"] for r in p1] and s1["global_step"] == len(p1)
+    assert s1["gate_reason"] in ("plateau", "max_steps") and f"gated transition after {len(p1)} steps" in log
+    assert [r["global_step"] for r in rows] == list(range(1, len(rows) + 1))  # no step lost or repeated
+    assert (ck / "phase-2" / "final" / "critic" / "model.pt").exists()  # PPO: the critic is in the checkpoint
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("scalinginter").experiment_id])
+    phase1 = [r for r in runs if r.info.run_name == "cut/phase-1" and r.info.status == "FINISHED"]
+    assert phase1 and phase1[0].data.tags["scalinginter.phase_1.end"] == f"{s1['gate_reason']} at step {len(p1)}"
+    assert phase1[0].data.metrics["train/critic_grad_norm"] > 0
+
+    p = cli(tmp_path, tiny_model, "whole")
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    assert steps_logged(tmp_path, "whole") == steps_logged(tmp_path, "cut")
+    wa = load_file(ck / "phase-2" / "final" / "model.safetensors")
+    wb = load_file(tmp_path / "checkpoints" / "whole" / "phase-2" / "final" / "model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    w0 = load_file(Path(tiny_model) / "model.safetensors")
+    assert any(not torch.equal(wa[k], w0[k]) for k in wa if k in w0)  # training moved them
+    ca = torch.load(ck / "phase-2" / "final" / "critic" / "model.pt")
+    cb = torch.load(tmp_path / "checkpoints" / "whole" / "phase-2" / "final" / "critic" / "model.pt")
+    assert all(torch.equal(ca[k], cb[k]) for k in ca)
