@@ -112,21 +112,14 @@ def _ensure_dist() -> None:
     if "RANK" in os.environ:  # launched by torchrun / deepspeed: the launcher chose the rendezvous
         deepspeed.init_distributed(dist_backend=backend)
         return
-    # a single in-process rank on a port of our choosing; a free port can be taken before the store binds it
-    # (env servers being spawned pick ports the same way), so a clash is retried on a new port
-    from envs.spawn import free_port
+    # a single in-process rank: rendezvous through a fresh file, not a TCP port. A free port picked for the TCP
+    # store could be taken (by an outgoing connection, an env server) before the store bound it: EADDRINUSE.
+    import tempfile
 
-    for attempt in range(4):
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        try:
-            deepspeed.init_distributed(dist_backend=backend)
-            return
-        except Exception as e:  # noqa: BLE001 - torch raises DistNetworkError (a RuntimeError) on EADDRINUSE
-            for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-                os.environ.pop(k, None)
-            if "EADDRINUSE" not in str(e) and "address already in use" not in str(e).lower() or attempt == 3:
-                raise
+    store = Path(tempfile.mkdtemp(prefix="si-dist-")) / "store"
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT="0")  # present so DeepSpeed does not go looking for MPI; unused by file://
+    deepspeed.init_distributed(dist_backend=backend, init_method=f"file://{store}", rank=0, world_size=1)
 
 
 class DeepSpeedLearner(TorchLearner):
