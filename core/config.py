@@ -177,6 +177,9 @@ class TrackingConfig(_Strict):
 class CheckpointConfig(_Strict):
     root: str | None = Field(None, description="Local dir or s3://bucket/prefix (default: <output_dir>/checkpoints).")
     every_n_steps: int = Field(1, ge=1, description="Step checkpoint interval within a phase.")
+    keep_step_checkpoints: bool = Field(False, description="Keep superseded step checkpoints (default: a step "
+                                        "checkpoint is deleted once a newer one or the phase's final is complete; "
+                                        "phase finals are always kept).")
     s3_block: str | None = Field(None, description="Name of a Prefect 'scalinginter-s3-credentials' block with the S3 "
                                                  "endpoint/credentials (default: the standard AWS variables).")
 

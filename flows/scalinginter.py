@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from core.curriculum import Gate, GateState, gate_update, phase_start, total_ste
 from tasks import steps as T
 from tasks.checkpoint_store import (
     checkpoint_exists,
+    delete_checkpoint,
     is_s3_uri,
     join_uri,
     load_checkpoint,
@@ -178,12 +178,14 @@ def phase_flow(config: RunConfig, phase: int, init_ref: str, parent_run_id: str 
                     state["gate_reason"] = reason
                     _log_transition(tracker, run_id, parent_run_id, phase, gstep + 1, i + 1, reason, gstate)
             if last:
+                prev = read_latest(phase_uri)
                 out = T.save_step_checkpoint(key, final_uri, state)
                 write_latest(root, out)
+                _prune(cfg, prev, out)
             elif (i + 1) % cfg.checkpoint.every_n_steps == 0:
                 prev = read_latest(phase_uri)
                 out = T.save_step_checkpoint(key, join_uri(phase_uri, f"step-{i + 1:06d}"), state, latest_of=phase_uri)
-                _prune(prev, out)
+                _prune(cfg, prev, out)
             if cfg.fail_after_step is not None and gstep + 1 == cfg.fail_after_step:
                 raise RuntimeError(f"fault injection: failing after global step {gstep + 1} (fail_after_step)")
             if last:
@@ -226,10 +228,20 @@ def _phase_artifact(cfg: RunConfig, phase: int, steps_done: int, global_step: in
                      f"ScalingInter {cfg.run_name} phase {phase}: steps, reward, success, turns, checkpoint")
 
 
-def _prune(prev: str | None, current: str) -> None:
-    """Drop the previous local step checkpoint once a newer one is complete (S3 keeps all)."""
-    if prev and prev != current and not is_s3_uri(prev) and Path(prev).name.startswith("step-"):
-        shutil.rmtree(prev, ignore_errors=True)
+def _prune(cfg: RunConfig, prev: str | None, current: str) -> None:
+    """Delete the superseded step checkpoint ``prev`` (local or S3) once ``current`` is complete.
+
+    Called only after ``current`` and the pointer to it are written, so a crash at any point leaves a
+    complete checkpoint to resume from. Phase finals are never pruned (they are registered models).
+    """
+    if cfg.checkpoint.keep_step_checkpoints or not prev or prev == current:
+        return
+    if not prev.rstrip("/").rsplit("/", 1)[-1].startswith("step-"):
+        return
+    try:
+        delete_checkpoint(prev)
+    except Exception as exc:  # noqa: BLE001 - disk space is not worth failing a finished step over
+        print(f"warning: could not delete the superseded checkpoint {prev}: {exc}")
 
 
 # --- evaluation ------------------------------------------------------------------------------------------

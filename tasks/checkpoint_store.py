@@ -54,6 +54,7 @@ __all__ = [
     "MANIFEST_NAME",
     "S3Options",
     "checkpoint_exists",
+    "delete_checkpoint",
     "is_s3_uri",
     "join_uri",
     "list_checkpoints",
@@ -953,6 +954,36 @@ def checkpoint_exists(uri: str, *, options: S3Options | None = None) -> bool:
     # HEAD can't tell a missing key from a missing bucket: disambiguate.
     _check_bucket(client, bucket, norm)
     return False
+
+
+def delete_checkpoint(uri: str, *, options: S3Options | None = None) -> bool:
+    """Delete the checkpoint at ``uri``; return whether one was there.
+
+    The manifest goes first, so a delete cut short leaves an incomplete directory that
+    ``checkpoint_exists`` and ``load_checkpoint`` already treat as absent. Objects under a
+    prefix that merely starts with the same characters (``step-1`` vs ``step-10``) are untouched.
+    """
+    if not is_s3_uri(uri):
+        root = _local_path(uri)
+        manifest = root / MANIFEST_NAME
+        had = manifest.is_file()
+        if had:
+            manifest.unlink()
+            _fsync_dir(root)
+        if root.is_dir():
+            _rmtree_quiet(root)
+        return had
+    norm = _normalize(uri)
+    bucket, prefix = _split_s3(norm)
+    client = _s3_client(options)
+    had = checkpoint_exists(norm, options=options)
+    manifest_key = _s3_key(prefix, MANIFEST_NAME)
+    with _s3_errors(norm, "deleting checkpoint", bucket):
+        if had:
+            client.delete_object(Bucket=bucket, Key=manifest_key)
+        keys = [o["Key"] for o in _s3_list(client, bucket, prefix.rstrip("/") + "/", norm)]
+        _s3_delete_keys(client, bucket, keys)
+    return had
 
 
 def list_checkpoints(prefix_uri: str, *, options: S3Options | None = None) -> list[str]:

@@ -16,6 +16,7 @@ from tasks.checkpoint_store import (
     CheckpointStoreError,
     S3Options,
     checkpoint_exists,
+    delete_checkpoint,
     join_uri,
     list_checkpoints,
     load_checkpoint,
@@ -237,6 +238,19 @@ def test_latest_pointer_local(tmp_path: Path) -> None:
     assert read_latest(str(moved)) == outside
 
 
+def test_delete_checkpoint_local(tmp_path: Path) -> None:
+    run = str(tmp_path / "run")
+    c1 = save_checkpoint(make_ckpt(tmp_path / "s1", seed=1), join_uri(run, "phase-1", "step-1"))
+    c10 = save_checkpoint(make_ckpt(tmp_path / "s10", seed=10), join_uri(run, "phase-1", "step-10"))
+    assert delete_checkpoint(c1) is True
+    assert not Path(c1).exists()
+    assert list_checkpoints(run) == [c10]  # the sibling whose name starts the same is untouched
+    assert delete_checkpoint(c1) is False  # already gone: not an error
+    # a directory a killed save left without a manifest is removed too, and reported as no checkpoint
+    half = make_ckpt(tmp_path / "run" / "phase-1" / "step-2")
+    assert delete_checkpoint(str(half)) is False and not half.exists()
+
+
 # --------------------------------------------------------------------------- S3 (moto server)
 
 
@@ -427,3 +441,16 @@ def test_s3_options_explicit_endpoint(s3_env, moto_server, tmp_path: Path, monke
     uri = save_checkpoint(make_ckpt(tmp_path / "s"), f"s3://{bucket}/e/step-1", options=opts)
     assert checkpoint_exists(uri, options=opts)
     assert tree(load_checkpoint(uri, cache_dir=tmp_path / "c", options=opts)) == tree(tmp_path / "s")
+
+
+def test_delete_checkpoint_s3(s3_env, tmp_path: Path) -> None:
+    client, bucket = s3_env
+    run = f"s3://{bucket}/runs/r1"
+    c1 = save_checkpoint(make_ckpt(tmp_path / "s1", seed=1), join_uri(run, "phase-1", "step-1"))
+    c10 = save_checkpoint(make_ckpt(tmp_path / "s10", seed=10), join_uri(run, "phase-1", "step-10"))
+    assert delete_checkpoint(c1) is True
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket).get("Contents", [])]
+    assert keys and all(k.startswith("runs/r1/phase-1/step-10/") for k in keys), keys
+    assert list_checkpoints(run) == [c10]
+    assert delete_checkpoint(c1) is False
+    assert tree(load_checkpoint(c10, cache_dir=tmp_path / "cache")) == tree(tmp_path / "s10")

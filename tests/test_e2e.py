@@ -3,6 +3,7 @@ SmolLM2-135M on CPU, MLflow sqlite, local checkpoints) on a tiny budget; then we
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +28,8 @@ def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("e2e")
     p = cli("run", "babyai", "--preset", "tiny", "--set", f"output_dir={out}", "--run-name", RUN, cwd=out)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return out, p.stdout + p.stderr
+    yield out, p.stdout + p.stderr
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # two SmolLM2 phase finals, ~1.5 GB each
 
 
 def test_progress_and_summary_printed(run_dir):

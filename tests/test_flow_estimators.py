@@ -105,6 +105,9 @@ def test_ppo_gated_run_killed_and_resumed_ends_like_an_uninterrupted_one(tmp_pat
     assert s1["gate_reason"] in ("plateau", "max_steps") and f"gated transition after {len(p1)} steps" in log
     assert [r["global_step"] for r in rows] == list(range(1, len(rows) + 1))  # no step lost or repeated
     assert (ck / "phase-2" / "final" / "critic" / "model.pt").exists()  # PPO: the critic is in the checkpoint
+    # superseded step checkpoints (the one resumed from included) are gone; the phase finals stay
+    from tasks.checkpoint_store import list_checkpoints
+    assert list_checkpoints(str(ck)) == [str(ck / "phase-1" / "final"), str(ck / "phase-2" / "final")]
 
     from mlflow.tracking import MlflowClient
 
