@@ -88,11 +88,13 @@ def run_ours(steps: int, engine: str) -> dict:
         backend = TransformersBackend(learner.model, tok.eos_token_id, tok.eos_token_id, 32, bf16)
     data = babyai_prompts(PROMPTS * steps)
     times, tokens, rewards = [], [], []
+    parts: dict[str, list[float]] = {"generate_s": [], "prepare_s": [], "update_s": [], "sync_s": []}
     for step in range(steps):
         t0 = time.time()
         batch = data[step * PROMPTS:(step + 1) * PROMPTS]
         ids = [chat.prompt_ids(d["system"], d["user"]) for d in batch]
         gens = backend.generate([p for p in ids for _ in range(GENS)], SamplingParams(NEW_TOKENS, 1.0))
+        t1 = time.time()
         trajs = []
         for k, g in enumerate(gens):
             d = batch[k // GENS]
@@ -104,10 +106,14 @@ def run_ours(steps: int, engine: str) -> dict:
             t.finish("success" if r > 0 else "failure", r > 0)
             trajs.append(t)
         prepared = learner.prepare(trajs)
+        t2 = time.time()
         advs, _, _ = trajectory_advantages("grpo", EstimatorParams(kl_coef=KL), trajs)
         learner.update(trajs, advs, prepared=prepared)
+        t3 = time.time()
         backend.sync_weights()
         times.append(time.time() - t0)
+        for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2, times[-1] - t3)):
+            parts[k].append(v)
         tokens.append(sum(len(t.token_ids) for t in trajs))
         rewards.append(sum(t.reward for t in trajs) / len(trajs))
         print(f"[ours] step {step + 1}/{steps}: {times[-1]:.1f} s, mean reward {rewards[-1]:.3f}", flush=True)
@@ -116,6 +122,7 @@ def run_ours(steps: int, engine: str) -> dict:
     prompt_lens = [len(chat.prompt_ids(d["system"], d["user"])) for d in data]
     return {"framework": f"scalinginter ({engine} + torch learner)", "precision": "bf16 autocast" if bf16 else "fp32",
             "mean_prompt_tokens": sum(prompt_lens) / len(prompt_lens), "mean_reward": rewards,
+            "breakdown_s": {k: statistics.median(v[1:] or v) for k, v in parts.items()},
             **_timings(times, tokens)}
 
 
@@ -177,21 +184,22 @@ def run_trl(steps: int) -> dict:
 
 
 # --- driver -----------------------------------------------------------------------------------------------
-def _tree_rss(pid: int) -> int:
+def _tree_rss(pid: int) -> tuple[int, dict[str, int]]:
+    """RSS of the process tree under ``pid``: the total and, per process, keyed by its name and pid."""
     import psutil
 
     try:
         p = psutil.Process(pid)
         procs = [p] + p.children(recursive=True)
     except psutil.NoSuchProcess:
-        return 0
-    total = 0
+        return 0, {}
+    each = {}
     for q in procs:
         try:
-            total += q.memory_info().rss
+            each[f"{q.name()}:{q.pid}"] = q.memory_info().rss
         except psutil.NoSuchProcess:
             pass
-    return total
+    return sum(each.values()), each
 
 
 def run_child(which: str, steps: int, engine: str) -> dict:
@@ -200,15 +208,18 @@ def run_child(which: str, steps: int, engine: str) -> dict:
     cmd = [sys.executable, __file__, "--worker", which, "--steps", str(steps), "--engine", engine, "--out", out]
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=str(ROOT))
-    peak = 0
+    peak, at_peak = 0, {}
     while proc.poll() is None:
-        peak = max(peak, _tree_rss(proc.pid))
+        total, each = _tree_rss(proc.pid)
+        if total > peak:
+            peak, at_peak = total, each
         time.sleep(0.2)
     if proc.returncode != 0:
         raise SystemExit(f"{which} failed with exit code {proc.returncode}")
     row = json.loads(Path(out).read_text())
     os.unlink(out)
-    row.update(peak_rss_gib=peak / 2**30, wall_s=time.time() - t0)
+    row.update(peak_rss_gib=peak / 2**30, wall_s=time.time() - t0,
+               rss_at_peak_gib={k: round(v / 2**30, 3) for k, v in at_peak.items()})
     return row
 
 
@@ -240,6 +251,11 @@ def main() -> None:
     for r in rows:
         print(f"{r['framework']:44} {r['precision']:14} {r['step_s']:8.1f} {r['trained_tok_s']:8.1f} "
               f"{r['peak_rss_gib']:13.2f}")
+    for r in rows:
+        if "breakdown_s" in r:
+            print(f"{r['framework']}: per step " + ", ".join(f"{k} {v:.1f}" for k, v in r["breakdown_s"].items()))
+        print(f"{r['framework']}: RSS at the peak " + ", ".join(f"{k} {v:.2f} GiB"
+                                                              for k, v in r["rss_at_peak_gib"].items()))
     if len(rows) == 2:
         print(f"speed-up per step: {rows[1]['step_s'] / rows[0]['step_s']:.2f}x, "
               f"memory ratio: {rows[0]['peak_rss_gib'] / rows[1]['peak_rss_gib']:.2f}")

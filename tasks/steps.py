@@ -247,7 +247,7 @@ def compute_advantages(key: str) -> dict[str, float]:
     trajs = s.trajectories
     a = s.cfg.algo
     spec = get_estimator(a.estimator)
-    s.prepared = s.learner.prepare(trajs)
+    s.prepared = s.learner.prepare(trajs, old_for_reward=spec.kl_in_reward)
     params = EstimatorParams(gamma=a.gamma, lam=a.lam, normalize_std=a.normalize_std, whiten=a.whiten_advantages,
                              kl_coef=a.kl_coef)
     s.advantages, s.returns, stats = trajectory_advantages(

@@ -125,7 +125,7 @@ def train(model_dir: str, estimator: str, lr: float, seed: int = 0, updates: lis
         trajs, _ = asyncio.run(run_rollout(specs, lambda i: LocalEpisode(TwoRooms()), backend, chat,
                                            SamplingParams(1, 1.0), turn_limit=2, token_budget=512))
         rates.append(sum(t.success for t in trajs) / len(trajs))
-        prep = learner.prepare(trajs)
+        prep = learner.prepare(trajs, old_for_reward=spec.kl_in_reward)
         adv, ret, _ = trajectory_advantages(
             estimator, params, trajs,
             values=learner.per_token(trajs, prep, "values") if spec.needs_critic else None,
@@ -155,3 +155,58 @@ def test_zero_learning_rate_fails_the_same_criterion(tiny_model_dir, estimator):
     rates = train(tiny_model_dir, estimator, 0.0)
     assert not learned(rates), f"{estimator}: success rose without learning: {rates}"
     assert statistics.mean(rates) < 0.45
+
+
+def _fixed_batch(tok, n: int = 6):
+    """Hand-made two-turn trajectories (rollout log-probs set to -1.0 on every action token)."""
+    from core.trajectory import Trajectory
+
+    chat = ChatFormat.from_tokenizer(tok)
+    prompt = chat.prompt_ids(TwoRooms().instruction(), "Room one.")
+    between = chat.env_turn_ids("Room two.", reply_ended_with_eos=False)
+    digits = [chat.encode(d) for d in "1234"]
+    trajs, advs = [], []
+    for i in range(n):
+        t = Trajectory(task_id=i // 2, group_id=i // 2)
+        t.start(prompt)
+        t.add_action(digits[i % 4], [-1.0])
+        t.add_env(between)
+        t.add_action(digits[(i + 1) % 4] + [tok.eos_token_id], [-1.0, -1.0])
+        trajs.append(t)
+        advs.append([(1.0 if i % 2 else -0.5) * m for m in t.loss_mask])
+    return trajs, advs
+
+
+def test_single_step_update_takes_old_logprobs_from_its_own_forward(tiny_model_dir):
+    """One optimizer step over the batch: prepare() skips the old-log-prob pass and update() uses its own
+    forward's detached log-probs. The result must be what the update with separately computed old log-probs
+    gives (same weights after the step, same rollout/learner mismatch stat)."""
+    cfg = LearnerConfig(lr=1e-2, kl_coef=0.001, micro_batch_size=4, bf16_autocast=False)
+    a, b = TorchLearner(tiny_model_dir, cfg), TorchLearner(tiny_model_dir, cfg)
+    trajs, advs = _fixed_batch(a.tokenizer)
+    assert a.single_step()
+    pa = a.prepare(trajs)
+    pb = b.prepare(trajs, old_for_reward=True)
+    assert pa.old is None and pb.old is not None and pa.ref is not None
+    with pytest.raises(ValueError, match="old_for_reward"):
+        a.per_token(trajs, pa, "kl")
+    sa = a.update(trajs, advs, prepared=pa)
+    sb = b.update(trajs, advs, prepared=pb)
+    assert sa["logprob_mismatch"] == pytest.approx(sb["logprob_mismatch"], rel=1e-5)
+    assert sa["loss"] == pytest.approx(sb["loss"], rel=1e-5, abs=1e-7)
+    wa, wb = a.model.state_dict(), b.model.state_dict()
+    moved = TorchLearner(tiny_model_dir, cfg).model.state_dict()
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
+    assert any(not torch.allclose(wa[k], moved[k]) for k in wa)  # the step did move the weights
+
+
+def test_several_optimizer_steps_need_prepared_old_logprobs(tiny_model_dir):
+    cfg = LearnerConfig(lr=1e-2, kl_coef=0.0, micro_batch_size=4, bf16_autocast=False, mini_batches=2)
+    learner = TorchLearner(tiny_model_dir, cfg)
+    trajs, advs = _fixed_batch(learner.tokenizer)
+    assert not learner.single_step()
+    p = learner.prepare(trajs)
+    assert p.old is not None and "logprob_mismatch" in p.stats  # the policy moves between mini-batches
+    p.old = None
+    with pytest.raises(ValueError, match="several optimizer steps"):
+        learner.update(trajs, advs, prepared=p)

@@ -95,7 +95,7 @@ def _engine_matches_learner_after_sync(device_ok: bool, dtype: str, autocast: bo
             t.add_action(g.token_ids, g.logprobs)
             trajs.append(t)
             advs.append([(1.0 if i % 2 else -1.0) * m for m in t.loss_mask])
-        prep = learner.prepare(trajs)
+        prep = learner.prepare(trajs, old_for_reward=True)  # the old log-probs before the update
         assert prep.stats["logprob_mismatch"] < mean_tol * 2
 
         before = engine.prompt_logprobs([seq])[0]

@@ -365,8 +365,8 @@ class DeepSpeedRemoteLearner:
         results = {r: self._recv(c) for r, c in self._conns.items()}
         return results[0]
 
-    def prepare(self, trajs: list[Trajectory]) -> Prepared:
-        return self._call("prepare", trajs)  # every rank prepares (and keeps) the whole batch
+    def prepare(self, trajs: list[Trajectory], old_for_reward: bool = False) -> Prepared:
+        return self._call("prepare", trajs, old_for_reward)  # every rank prepares (and keeps) the whole batch
 
     def per_token(self, trajs: list[Trajectory], p: Prepared, which: str) -> list[list[float]]:
         return TorchLearner.per_token(self, trajs, p, which)  # pure over ``p``
@@ -440,7 +440,7 @@ def _worker() -> None:
             break
         try:
             if cmd == "prepare":
-                prepared = out = learner.prepare(args[0])
+                prepared = out = learner.prepare(*args)
             elif cmd == "update":
                 trajs, advs, use_prepared, returns = args
                 out = learner.update_shard(trajs, advs, prepared if use_prepared else None, returns)

@@ -156,22 +156,33 @@ class TorchLearner:
         return out
 
     # -- update -----------------------------------------------------------------------------------------
-    def prepare(self, trajs: list[Trajectory]) -> Prepared:
+    def single_step(self) -> bool:
+        """True when an update is one optimizer step over the whole batch (one epoch, one mini-batch): the
+        policy that computes the loss is then the policy that would compute PPO's "old" log-probs, so the
+        training forward's own (detached) log-probs are the old ones, exactly, and a forward pass is saved."""
+        return self.cfg.ppo_epochs == 1 and self.cfg.mini_batches == 1
+
+    def prepare(self, trajs: list[Trajectory], old_for_reward: bool = False) -> Prepared:
         """What the estimators need before the update: the learner's own log-probs (PPO's "old" log-probs),
-        the reference log-probs, and the critic's values. Computed once per step, reused by ``update``."""
+        the reference log-probs, and the critic's values. Computed once per step, reused by ``update``.
+
+        The old log-probs are computed here only when the update takes several optimizer steps, or when
+        ``old_for_reward`` (the estimator puts the KL penalty in the reward and needs them before the
+        update); otherwise ``update`` takes them from its own forward pass (see ``single_step``)."""
         live = [i for i, t in enumerate(trajs) if not t.masked and t.num_policy_tokens > 0]
         seqs = [trajs[i].token_ids for i in live]
         p = Prepared(live=live, seqs=seqs)
         if not live:
             return p
         masks = [trajs[i].loss_mask for i in live]
-        p.old = self.sequence_logprobs(seqs, masks=masks)
+        if old_for_reward or not self.single_step():
+            p.old = self.sequence_logprobs(seqs, masks=masks)
+            # rollout vs learner log-prob mismatch on policy tokens (kernels / bf16)
+            diffs = [abs(a - b) for i, o in zip(live, p.old) for a, b, m in
+                     zip(trajs[i].logprobs, o, trajs[i].loss_mask) if m]
+            p.stats["logprob_mismatch"] = sum(diffs) / max(1, len(diffs))
         p.ref = self.sequence_logprobs(seqs, reference=True, masks=masks) if self.ref is not None else None
         p.values = self.critic.values(seqs) if self.critic is not None else None
-        # rollout vs learner log-prob mismatch on policy tokens (kernels / bf16)
-        diffs = [abs(a - b) for i, o in zip(live, p.old) for a, b, m in
-                 zip(trajs[i].logprobs, o, trajs[i].loss_mask) if m]
-        p.stats["logprob_mismatch"] = sum(diffs) / max(1, len(diffs))
         return p
 
     def per_token(self, trajs: list[Trajectory], p: Prepared, which: str) -> list[list[float]]:
@@ -181,6 +192,8 @@ class TorchLearner:
         if which == "kl":
             if p.ref is None:
                 return rows
+            if p.old is None:
+                raise ValueError("the KL per token needs the old log-probs: prepare(..., old_for_reward=True)")
             src = [[a - b for a, b in zip(o, r)] for o, r in zip(p.old, p.ref)]
         else:
             src = getattr(p, which)
@@ -200,6 +213,10 @@ class TorchLearner:
             return {"skipped": 1.0}
         if self.critic is not None and returns is None:
             raise ValueError("this learner has a critic: pass the estimator's returns to update()")
+        own_old = p.old is None  # single-step update: old log-probs = this forward's, detached
+        if own_old and not self.single_step():
+            raise ValueError("an update of several optimizer steps needs prepared old log-probs")
+        mismatch_sum, mismatch_n = 0.0, 0
         t0 = time.time()
         stats: dict[str, float] = dict(p.stats)
         agg: dict[str, list[float]] = {}
@@ -231,9 +248,15 @@ class TorchLearner:
                     mask = pad_rows([trajs[live[k]].loss_mask for k in ks], T)
                     weights = mask * torch.tensor([w_seq[s + r] for r in range(len(ks))])[:, None]
                     adv = pad_rows([advantages[live[k]] for k in ks], T)
-                    old_t = pad_rows([p.old[k] for k in ks], T)
                     ref_t = pad_rows([p.ref[k] for k in ks], T) if p.ref is not None and kl_coef else None
                     logp, ent = self._token_logp(self.model, ids, att, with_entropy=True, need=mask.bool())
+                    if own_old:
+                        old_t = logp.detach()
+                        rollout = pad_rows([trajs[live[k]].logprobs for k in ks], T)
+                        mismatch_sum += float(((rollout - old_t).abs() * mask).sum())
+                        mismatch_n += int(mask.sum())
+                    else:
+                        old_t = pad_rows([p.old[k] for k in ks], T)
                     loss, st = policy_loss(logp, old_t, ref_t, adv, weights, self.cfg.clip, kl_coef)
                     self._backward(loss)
                     st["entropy"] = float((ent * weights).sum())
@@ -251,6 +274,8 @@ class TorchLearner:
                 n_mini += 1
         for k, v in agg.items():
             stats[k] = sum(v) / n_mini  # sums over micro-batches of a mini-batch, averaged over mini-batches
+        if own_old:  # rollout vs learner log-prob mismatch on policy tokens (kernels / bf16)
+            stats["logprob_mismatch"] = mismatch_sum / max(1, mismatch_n)
         stats["grad_norm"] = sum(grad_norms) / len(grad_norms)
         if critic_norms:
             stats["critic_grad_norm"] = sum(critic_norms) / len(critic_norms)
