@@ -111,8 +111,9 @@ def run_ours(steps: int, engine: str) -> dict:
         learner.update(trajs, advs, prepared=prepared)
         t3 = time.time()
         backend.sync_weights()
-        times.append(time.time() - t0)
-        for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2, times[-1] - t3)):
+        t4 = time.time()
+        times.append(t4 - t0)
+        for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
             parts[k].append(v)
         tokens.append(sum(len(t.token_ids) for t in trajs))
         rewards.append(sum(t.reward for t in trajs) / len(trajs))

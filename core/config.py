@@ -144,6 +144,9 @@ class AlgoConfig(_Strict):
     micro_batch_size: int = Field(4, ge=1, description="Sequences per forward/backward pass.")
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per epoch (the batch is split).")
     ppo_epochs: int = Field(1, ge=1, description="Passes over the batch per training step.")
+    share_prefix: bool = Field(True, description="The samples of a group run their common prompt through the "
+                                                 "learner once per forward (same log-probs and gradients, fewer "
+                                                 "FLOPs).")
 
     @model_validator(mode="after")
     def _estimator_options(self):

@@ -120,7 +120,7 @@ def open_session(cfg: RunConfig, model_dir: str, train: bool, reference_dir: str
                            kl_in_loss=not get_estimator(a.estimator).kl_in_reward,
                            critic=get_estimator(a.estimator).needs_critic,
                            critic_path=local_critic_path(a.critic.model), critic_lr=a.critic.lr or 1e-5,
-                           value_clip=a.critic.value_clip)
+                           value_clip=a.critic.value_clip, share_prefix=a.share_prefix)
         if cfg.learner.engine == "deepspeed":
             from tasks.backends.deepspeed_learner import make_learner
 

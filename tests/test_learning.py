@@ -210,3 +210,33 @@ def test_several_optimizer_steps_need_prepared_old_logprobs(tiny_model_dir):
     p.old = None
     with pytest.raises(ValueError, match="several optimizer steps"):
         learner.update(trajs, advs, prepared=p)
+
+
+def test_shared_prompt_forward_gives_the_same_logprobs_and_gradients(tiny_model_dir):
+    """Rows of a group run their common prompt once (core.prefix); log-probs and gradients must be those
+    of one full forward per row."""
+    from core.advantages import pad_rows
+    from core.prefix import plan_shared_prefixes
+
+    runs = {}
+    for share in (True, False):
+        learner = TorchLearner(tiny_model_dir, LearnerConfig(micro_batch_size=8, bf16_autocast=False,
+                                                             share_prefix=share))
+        trajs, _ = _fixed_batch(learner.tokenizer)
+        trajs[5].token_ids = trajs[5].token_ids[:-1]  # rows of different lengths (padding inside a group)
+        trajs[5].loss_mask, trajs[5].logprobs = trajs[5].loss_mask[:-1], trajs[5].logprobs[:-1]
+        seqs, masks, groups = [t.token_ids for t in trajs], [t.loss_mask for t in trajs], [t.group_id for t in trajs]
+        if share:
+            blocks = plan_shared_prefixes(seqs, masks, groups, learner.cfg.min_shared_prefix)
+            assert len(blocks) == 3 and all(b.prefix_len > 16 for b in blocks)  # the test shares for real
+        ids, att = learner._pad(seqs)
+        need = pad_rows(masks, ids.shape[1]).bool()
+        logp, ent = learner._token_logp(learner.model, ids, att, with_entropy=True, need=need, groups=groups)
+        (logp * need * torch.linspace(-1, 1, len(seqs))[:, None]).sum().backward()
+        runs[share] = (logp.detach(), ent, {k: p.grad.clone() for k, p in learner.model.named_parameters()},
+                       learner.sequence_logprobs(seqs, reference=False, masks=masks, groups=groups))
+    (la, ea, ga, sa), (lb, eb, gb, sb) = runs[True], runs[False]
+    assert torch.allclose(la, lb, atol=1e-5) and torch.allclose(ea, eb, atol=1e-5)
+    assert all(torch.allclose(ga[k], gb[k], atol=1e-6, rtol=1e-4) for k in ga)
+    assert any(ga[k].abs().sum() > 0 for k in ga)
+    assert all(abs(x - y) < 1e-5 for r1, r2 in zip(sa, sb) for x, y in zip(r1, r2))

@@ -19,6 +19,7 @@ import torch
 
 from core.advantages import pad_rows
 from core.losses import policy_loss, sequence_weights
+from core.prefix import plan_shared_prefixes
 from core.trajectory import Trajectory
 
 
@@ -40,6 +41,8 @@ class LearnerConfig:
     critic_path: str | None = None  # None: a copy of the policy's initial model
     critic_lr: float = 1e-5
     value_clip: float = 0.2
+    share_prefix: bool = True  # a group's common prompt runs once per forward (core.prefix)
+    min_shared_prefix: int = 16
 
 
 @dataclass
@@ -102,18 +105,57 @@ class TorchLearner:
             att[r, : len(s)] = 1
         return ids, att
 
-    def _token_logp(self, model, ids, att, with_entropy: bool = False, need: torch.Tensor | None = None):
+    def _hidden(self, core, ids, att, need, groups: list[int] | None):
+        """The last hidden states that predict tokens 1..T-1 ([B, T-1, H]). With ``groups`` (and
+        ``share_prefix``), the rows of a group run their common prompt once (``core.prefix``): its keys and
+        values, repeated per row, serve the rest of each row; positions inside the prompt (no policy token
+        there) are left 0 except the last, which predicts each row's first own token."""
+        if groups is None or not self.cfg.share_prefix or ids.shape[0] < 2:
+            return core.base_model(input_ids=ids, attention_mask=att).last_hidden_state[:, :-1]
+        lens = att.sum(1).tolist()
+        seqs = [ids[r, :n].tolist() for r, n in enumerate(lens)]
+        masks = [need[r, :n].int().tolist() for r, n in enumerate(lens)]
+        blocks = plan_shared_prefixes(seqs, masks, groups, self.cfg.min_shared_prefix)
+        if all(b.prefix_len == 0 for b in blocks):
+            return core.base_model(input_ids=ids, attention_mask=att).last_hidden_state[:, :-1]
+        T = ids.shape[1]
+        parts, order = [], []
+        for b in blocks:
+            rows = list(b.rows)
+            width = max(lens[r] for r in rows)
+            sub_ids, sub_att = ids[rows, :width], att[rows, :width]
+            if b.prefix_len == 0:
+                h = core.base_model(input_ids=sub_ids, attention_mask=sub_att).last_hidden_state[:, :-1]
+            else:
+                L, G = b.prefix_len, len(rows)
+                pre = core.base_model(input_ids=sub_ids[:1, :L], use_cache=True)
+                cache = pre.past_key_values
+                cache.batch_repeat_interleave(G)
+                rest = core.base_model(input_ids=sub_ids[:, L:], attention_mask=sub_att, past_key_values=cache,
+                                       use_cache=True).last_hidden_state
+                last = pre.last_hidden_state[:, L - 1:L].expand(G, 1, -1)
+                h = torch.cat([last.new_zeros((G, L - 1, last.shape[-1])), last, rest[:, :-1]], dim=1)
+            parts.append(torch.nn.functional.pad(h, (0, 0, 0, T - width)))
+            order += rows
+        h = torch.cat(parts)
+        inverse = torch.empty(len(order), dtype=torch.long)
+        inverse[torch.tensor(order)] = torch.arange(len(order))
+        return h[inverse]
+
+    def _token_logp(self, model, ids, att, with_entropy: bool = False, need: torch.Tensor | None = None,
+                    groups: list[int] | None = None):
         """log p(token_t | tokens_<t) at position t ([B, T], position 0 gets 0).
 
         ``need`` ([B, T] bool, optional) marks the tokens whose log-prob is wanted (the policy tokens): the
         vocabulary projection then runs only at those positions (elsewhere the result is 0), which saves
-        most of the time and memory on long prompts and env replies."""
+        most of the time and memory on long prompts and env replies. ``groups`` (the rows' group ids, with
+        ``need``) lets the rows of a group share their prompt's forward pass (see ``_hidden``)."""
         core = getattr(model, "module", model)  # unwrap engine wrappers (DeepSpeed)
         fast = need is not None and not any(getattr(core.config, a, None) for a in _LOGIT_POSTPROCESSING)
         if fast:
             sel = need[:, 1:].bool()  # the token at t is predicted from the hidden state at t - 1
             with self._autocast():
-                h = core.base_model(input_ids=ids, attention_mask=att).last_hidden_state[:, :-1]
+                h = self._hidden(core, ids, att, need, groups)
                 logits = core.get_output_embeddings()(h[sel])
             logits = logits.float()
         else:
@@ -142,8 +184,10 @@ class TorchLearner:
 
     @torch.no_grad()
     def sequence_logprobs(self, seqs: list[list[int]], reference: bool = False,
-                          masks: list[list[int]] | None = None) -> list[list[float]]:
-        """Per-token log-probs of ``seqs``; with ``masks``, only on the masked-in tokens (0 elsewhere)."""
+                          masks: list[list[int]] | None = None,
+                          groups: list[int] | None = None) -> list[list[float]]:
+        """Per-token log-probs of ``seqs``; with ``masks``, only on the masked-in tokens (0 elsewhere); with
+        ``groups`` too, rows of a group share their prompt's forward pass."""
         model = self.ref if reference else self.model
         out: list[list[float]] = []
         mb = self.cfg.micro_batch_size
@@ -151,7 +195,8 @@ class TorchLearner:
             chunk = seqs[s:s + mb]
             ids, att = self._pad(chunk)
             need = pad_rows(masks[s:s + mb], ids.shape[1]).bool() if masks is not None else None
-            logp, _ = self._token_logp(model, ids, att, need=need)
+            logp, _ = self._token_logp(model, ids, att, need=need,
+                                       groups=groups[s:s + mb] if groups is not None and need is not None else None)
             out += [logp[r, : len(c)].tolist() for r, c in enumerate(chunk)]
         return out
 
@@ -175,13 +220,15 @@ class TorchLearner:
         if not live:
             return p
         masks = [trajs[i].loss_mask for i in live]
+        groups = [trajs[i].group_id for i in live]
         if old_for_reward or not self.single_step():
-            p.old = self.sequence_logprobs(seqs, masks=masks)
+            p.old = self.sequence_logprobs(seqs, masks=masks, groups=groups)
             # rollout vs learner log-prob mismatch on policy tokens (kernels / bf16)
             diffs = [abs(a - b) for i, o in zip(live, p.old) for a, b, m in
                      zip(trajs[i].logprobs, o, trajs[i].loss_mask) if m]
             p.stats["logprob_mismatch"] = sum(diffs) / max(1, len(diffs))
-        p.ref = self.sequence_logprobs(seqs, reference=True, masks=masks) if self.ref is not None else None
+        p.ref = (self.sequence_logprobs(seqs, reference=True, masks=masks, groups=groups)
+                 if self.ref is not None else None)
         p.values = self.critic.values(seqs) if self.critic is not None else None
         return p
 
@@ -249,7 +296,8 @@ class TorchLearner:
                     weights = mask * torch.tensor([w_seq[s + r] for r in range(len(ks))])[:, None]
                     adv = pad_rows([advantages[live[k]] for k in ks], T)
                     ref_t = pad_rows([p.ref[k] for k in ks], T) if p.ref is not None and kl_coef else None
-                    logp, ent = self._token_logp(self.model, ids, att, with_entropy=True, need=mask.bool())
+                    logp, ent = self._token_logp(self.model, ids, att, with_entropy=True, need=mask.bool(),
+                                                 groups=[trajs[live[k]].group_id for k in ks])
                     if own_old:
                         old_t = logp.detach()
                         rollout = pad_rows([trajs[live[k]].logprobs for k in ks], T)
