@@ -82,8 +82,9 @@ def run_ours(steps: int, engine: str) -> dict:
     if engine == "vllm":
         from tasks.backends.vllm_backend import VLLMBackend, export_fn
 
+        # KV cache sized to the workload: 32 sequences x ~210 tokens x ~46 KB (fp32) ~ 0.3 GiB
         backend = VLLMBackend(path, tok.eos_token_id, dtype=resolve_vllm_dtype(None), enforce_eager=True,
-                              max_model_len=1024, seed=0, export_weights=export_fn(learner))
+                              max_model_len=1024, seed=0, kv_cache_gb=0.5, export_weights=export_fn(learner))
     else:
         backend = TransformersBackend(learner.model, tok.eos_token_id, tok.eos_token_id, 32, bf16)
     data = babyai_prompts(PROMPTS * steps)

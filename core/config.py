@@ -93,7 +93,8 @@ class RolloutConfig(_Strict):
         None, description="vLLM weights dtype. None: bfloat16 where the hardware has native bf16, else float32.")
     vllm_enforce_eager: bool = Field(True, description="vLLM: skip graph compilation (starts in ~15 s instead of "
                                                        "60-90 s on CPU, ~10 % slower generation).")
-    vllm_kv_cache_gb: float = Field(1.0, gt=0, description="vLLM CPU KV cache size (GiB).")
+    vllm_kv_cache_gb: float = Field(1.0, gt=0, description="vLLM CPU KV cache size (GiB, fractions allowed; "
+                                                            "fp32 SmolLM2-135M needs ~46 KB per token).")
     tasks_per_step: int = Field(4, ge=1, description="Distinct tasks per training step.")
     samples_per_task: int = Field(4, ge=1, description="Episodes per task (the GRPO group size).")
     max_new_tokens: int = Field(64, ge=1, description="Max tokens the policy may generate per turn.")

@@ -51,13 +51,14 @@ def find_tcmalloc() -> str | None:
     return hits[0] if hits else None
 
 
-def cpu_env(threads: int | None = None, kv_cache_gb: float = 1.0) -> dict[str, str]:
-    """Environment for the CPU engine process: thread binding, KV cache size, tcmalloc. Pure (no side effects)."""
+def cpu_env(threads: int | None = None) -> dict[str, str]:
+    """Environment for the CPU engine process: thread binding, tcmalloc. Pure (no side effects). The KV cache
+    size goes to the engine as ``kv_cache_memory_bytes`` (any fraction of a GiB; vLLM's legacy
+    ``VLLM_CPU_KVCACHE_SPACE`` takes whole GiB only, and still wins when a caller sets it)."""
     n = threads or os.cpu_count() or 1
     env = {
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}" if n > 1 else "0",
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-        "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(round(kv_cache_gb)))),
     }
     tc = find_tcmalloc()
     if tc:
@@ -131,7 +132,7 @@ class VLLMBackend:
         cpu = is_cpu_build()
         saved = {}
         if cpu:  # the engine core is a child process: its env is set here and restored afterwards
-            for k, v in cpu_env(threads, kv_cache_gb).items():
+            for k, v in cpu_env(threads).items():
                 saved[k] = os.environ.get(k)
                 if k == "LD_PRELOAD" and saved[k]:
                     v = f"{v}:{saved[k]}" if v not in saved[k] else saved[k]
@@ -149,7 +150,9 @@ class VLLMBackend:
                           max_model_len=max_model_len, seed=seed, enable_prefix_caching=prefix_caching,
                           logprobs_mode="processed_logprobs", skip_tokenizer_init=False,
                           worker_extension_cls=f"{__name__}.WorkerExtension")
-            if not cpu:
+            if cpu:
+                kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
+            else:
                 kwargs["gpu_memory_utilization"] = gpu_memory_utilization
             self._llm = LLM(**kwargs)
         finally:
