@@ -158,11 +158,11 @@ class DeepSpeedLearner(TorchLearner):
 
         return contextlib.nullcontext()
 
-    def _token_logp(self, model, ids, att, with_entropy: bool = False, need=None):
+    def _token_logp(self, model, ids, att, with_entropy: bool = False, need=None, groups=None):
         if self.device.type == "cpu":
-            return super()._token_logp(model, ids, att, with_entropy, need)
+            return super()._token_logp(model, ids, att, with_entropy, need, groups)
         logp, ent = super()._token_logp(model, ids.to(self.device), att.to(self.device), with_entropy,
-                                        need.to(self.device) if need is not None else None)
+                                        need.to(self.device) if need is not None else None, groups)
         return logp.cpu(), (ent.cpu() if ent is not None else None)
 
     # -- engine hooks -----------------------------------------------------------------------------------

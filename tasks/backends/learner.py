@@ -140,7 +140,7 @@ class TorchLearner:
         h = torch.cat(parts)
         inverse = torch.empty(len(order), dtype=torch.long)
         inverse[torch.tensor(order)] = torch.arange(len(order))
-        return h[inverse]
+        return h[inverse.to(h.device)]
 
     def _token_logp(self, model, ids, att, with_entropy: bool = False, need: torch.Tensor | None = None,
                     groups: list[int] | None = None):
