@@ -70,6 +70,11 @@ class RolloutStats:
     def env_steps_per_s(self) -> float:
         return self.env_steps / self.env_time_s if self.env_time_s else 0.0
 
+    def add_work(self, other: "RolloutStats") -> None:
+        """Add another pass's work (tokens, env steps, times) to this one; the episode count stays."""
+        for name in ("generated_tokens", "env_steps", "gen_time_s", "env_time_s", "wall_time_s"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
     def as_metrics(self) -> dict[str, float]:
         return {"gen_tokens_per_s": self.tokens_per_s, "env_steps_per_s": self.env_steps_per_s,
                 "rollout_time_s": self.wall_time_s, "generated_tokens": float(self.generated_tokens),
@@ -262,9 +267,5 @@ async def run_rollout_retrying(
             trajs[i] = t
         stats.retried_episodes += len(failed)
         stats.recovered_episodes += sum(t.finish_reason != "env_error" for t in again)
-        stats.generated_tokens += st.generated_tokens
-        stats.env_steps += st.env_steps
-        stats.gen_time_s += st.gen_time_s
-        stats.env_time_s += st.env_time_s
-        stats.wall_time_s += st.wall_time_s
+        stats.add_work(st)
     return trajs, stats

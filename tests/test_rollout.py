@@ -336,3 +336,15 @@ def test_a_task_index_the_env_refuses_is_a_config_error_not_a_masked_episode(tok
 
         with pytest.raises(EnvConfigError, match=r"out of range(.|\n)*env.task_pool"):
             asyncio.run(go())
+
+
+def test_rollout_stats_add_work_sums_the_work_and_keeps_the_episode_count():
+    from tasks.rollout import RolloutStats
+
+    a = RolloutStats(episodes=4, generated_tokens=10, env_steps=3, gen_time_s=1.0, env_time_s=0.5, wall_time_s=2.0,
+                     retried_episodes=1)
+    a.add_work(RolloutStats(episodes=1, generated_tokens=5, env_steps=2, gen_time_s=0.25, env_time_s=0.25,
+                            wall_time_s=1.0, retried_episodes=7))
+    assert (a.episodes, a.generated_tokens, a.env_steps, a.retried_episodes) == (4, 15, 5, 1)
+    assert (a.gen_time_s, a.env_time_s, a.wall_time_s) == (1.25, 0.75, 3.0)
+    assert a.tokens_per_s == 12.0 and a.env_steps_per_s == 5 / 0.75
