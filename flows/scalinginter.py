@@ -177,14 +177,14 @@ def phase_flow(config: RunConfig, phase: int, init_ref: str, parent_run_id: str 
                     last = True
                     state["gate_reason"] = reason
                     _log_transition(tracker, run_id, parent_run_id, phase, gstep + 1, i + 1, reason, gstate)
-            if last:
+            if last or (i + 1) % cfg.checkpoint.every_n_steps == 0:
                 prev = read_latest(phase_uri)
-                out = T.save_step_checkpoint(key, final_uri, state)
-                write_latest(root, out)
-                _prune(cfg, prev, out)
-            elif (i + 1) % cfg.checkpoint.every_n_steps == 0:
-                prev = read_latest(phase_uri)
-                out = T.save_step_checkpoint(key, join_uri(phase_uri, f"step-{i + 1:06d}"), state, latest_of=phase_uri)
+                if last:
+                    out = T.save_step_checkpoint(key, final_uri, state)
+                    write_latest(root, out)
+                else:
+                    out = T.save_step_checkpoint(key, join_uri(phase_uri, f"step-{i + 1:06d}"), state,
+                                                 latest_of=phase_uri)
                 _prune(cfg, prev, out)
             if cfg.fail_after_step is not None and gstep + 1 == cfg.fail_after_step:
                 raise RuntimeError(f"fault injection: failing after global step {gstep + 1} (fail_after_step)")

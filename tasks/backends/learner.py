@@ -60,6 +60,12 @@ class Prepared:
 _LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
+def mismatch_sums(rollout: torch.Tensor, learner: torch.Tensor, mask: torch.Tensor) -> tuple[float, int]:
+    """Sum of |rollout - learner| log-prob over the policy tokens (``mask``), and their count: the pieces of
+    ``logprob_mismatch`` (sampling engine vs learner: kernels, bf16)."""
+    return float(((rollout - learner).abs() * mask).sum()), int(mask.sum())
+
+
 def load_causal_lm(path: str):
     from transformers import AutoModelForCausalLM
 
@@ -110,13 +116,13 @@ class TorchLearner:
         ``share_prefix``), the rows of a group run their common prompt once (``core.prefix``): its keys and
         values, repeated per row, serve the rest of each row; positions inside the prompt (no policy token
         there) are left 0 except the last, which predicts each row's first own token."""
-        if groups is None or not self.cfg.share_prefix or ids.shape[0] < 2:
-            return core.base_model(input_ids=ids, attention_mask=att).last_hidden_state[:, :-1]
         lens = att.sum(1).tolist()
-        seqs = [ids[r, :n].tolist() for r, n in enumerate(lens)]
-        masks = [need[r, :n].int().tolist() for r, n in enumerate(lens)]
-        blocks = plan_shared_prefixes(seqs, masks, groups, self.cfg.min_shared_prefix)
-        if all(b.prefix_len == 0 for b in blocks):
+        blocks = []
+        if groups is not None and self.cfg.share_prefix and len(lens) > 1:
+            seqs = [ids[r, :n].tolist() for r, n in enumerate(lens)]
+            masks = [need[r, :n].int().tolist() for r, n in enumerate(lens)]
+            blocks = plan_shared_prefixes(seqs, masks, groups, self.cfg.min_shared_prefix)
+        if not any(b.prefix_len for b in blocks):
             return core.base_model(input_ids=ids, attention_mask=att).last_hidden_state[:, :-1]
         T = ids.shape[1]
         parts, order = [], []
@@ -195,8 +201,7 @@ class TorchLearner:
             chunk = seqs[s:s + mb]
             ids, att = self._pad(chunk)
             need = pad_rows(masks[s:s + mb], ids.shape[1]).bool() if masks is not None else None
-            logp, _ = self._token_logp(model, ids, att, need=need,
-                                       groups=groups[s:s + mb] if groups is not None and need is not None else None)
+            logp, _ = self._token_logp(model, ids, att, need=need, groups=groups[s:s + mb] if groups else None)
             out += [logp[r, : len(c)].tolist() for r, c in enumerate(chunk)]
         return out
 
@@ -223,10 +228,8 @@ class TorchLearner:
         groups = [trajs[i].group_id for i in live]
         if old_for_reward or not self.single_step():
             p.old = self.sequence_logprobs(seqs, masks=masks, groups=groups)
-            # rollout vs learner log-prob mismatch on policy tokens (kernels / bf16)
-            diffs = [abs(a - b) for i, o in zip(live, p.old) for a, b, m in
-                     zip(trajs[i].logprobs, o, trajs[i].loss_mask) if m]
-            p.stats["logprob_mismatch"] = sum(diffs) / max(1, len(diffs))
+            total, n = mismatch_sums(pad_rows([trajs[i].logprobs for i in live]), pad_rows(p.old), pad_rows(masks))
+            p.stats["logprob_mismatch"] = total / max(1, n)
         p.ref = (self.sequence_logprobs(seqs, reference=True, masks=masks, groups=groups)
                  if self.ref is not None else None)
         p.values = self.critic.values(seqs) if self.critic is not None else None
@@ -300,9 +303,8 @@ class TorchLearner:
                                                  groups=[trajs[live[k]].group_id for k in ks])
                     if own_old:
                         old_t = logp.detach()
-                        rollout = pad_rows([trajs[live[k]].logprobs for k in ks], T)
-                        mismatch_sum += float(((rollout - old_t).abs() * mask).sum())
-                        mismatch_n += int(mask.sum())
+                        total, n = mismatch_sums(pad_rows([trajs[live[k]].logprobs for k in ks], T), old_t, mask)
+                        mismatch_sum, mismatch_n = mismatch_sum + total, mismatch_n + n
                     else:
                         old_t = pad_rows([p.old[k] for k in ks], T)
                     loss, st = policy_loss(logp, old_t, ref_t, adv, weights, self.cfg.clip, kl_coef)
@@ -322,7 +324,7 @@ class TorchLearner:
                 n_mini += 1
         for k, v in agg.items():
             stats[k] = sum(v) / n_mini  # sums over micro-batches of a mini-batch, averaged over mini-batches
-        if own_old:  # rollout vs learner log-prob mismatch on policy tokens (kernels / bf16)
+        if own_old:
             stats["logprob_mismatch"] = mismatch_sum / max(1, mismatch_n)
         stats["grad_norm"] = sum(grad_norms) / len(grad_norms)
         if critic_norms:
