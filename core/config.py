@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -285,15 +285,15 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 
 def build_config(env: str, preset: str | None = None, overrides: list[str] | None = None,
-                 extra: dict[str, Any] | None = None) -> RunConfig:
+                 extra: dict[str, Any] | None = None,
+                 presets: Mapping[str, dict[str, Any]] | None = None) -> RunConfig:
+    """The run config: ``presets[preset]`` (the env's presets, passed in as data), then ``extra``, then the
+    ``key.path=value`` overrides, validated. ``flows.config.build_config`` looks the env's presets up."""
     data: dict[str, Any] = {}
     if preset is not None:
-        from envs.base import env_presets  # presets are data of each env package
-
-        try:
-            presets = env_presets(env)
-        except KeyError as e:
-            raise ConfigError(str(e.args[0])) from None
+        if presets is None:
+            raise ConfigError(f"preset {preset!r} named but no presets given: pass presets=envs.base.env_presets"
+                              f"({env!r}) or call flows.config.build_config, which looks them up")
         if preset not in presets:
             raise ConfigError(f"unknown preset {preset!r} for env {env!r}; available: {', '.join(presets) or 'none'}")
         data = deep_merge(data, copy.deepcopy(presets[preset]))

@@ -34,7 +34,7 @@ def run(
     print_config: bool = typer.Option(False, "--print-config", help="Print the resolved config and exit."),
 ):
     """Run a ScalingInter curriculum (e.g. `scalinginter run babyai --preset smoke`)."""
-    from core.config import ConfigError, build_config
+    from flows.config import ConfigError, build_config
     from envs.base import env_names
 
     if env not in env_names():

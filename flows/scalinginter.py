@@ -20,8 +20,9 @@ from typing import Any
 
 from prefect import flow
 
-from core.config import RunConfig, build_config
+from core.config import RunConfig
 from core.curriculum import Gate, GateState, gate_update, phase_start, total_steps, turn_limit_at
+from flows.config import build_config
 from tasks import steps as T
 from tasks.checkpoint_store import (
     checkpoint_exists,

@@ -20,7 +20,7 @@ from core.advantages import (
     rloo_scores,
     unpad,
 )
-from core.config import ConfigError, build_config
+from flows.config import ConfigError, build_config
 from core.curriculum import Gate, GateState, gate_update
 from core.losses import clipped_value_loss, policy_loss, sequence_weights
 from core.trajectory import Trajectory, token_rewards

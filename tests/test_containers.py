@@ -186,6 +186,8 @@ def test_dockerfiles_match_the_repo():
             assert (REPO_ROOT / src).exists(), f"{name}: COPY {src} does not exist"
         if name != "trainer-gpu":
             assert "EXPOSE 8000" in text and '"envs.server"' in text and "USER envs" in text
+            copied = set(re.findall(r"^COPY (\S+)", text, flags=re.M))  # envs/ imports no trainer code
+            assert {"core", "envs"} <= copied and not copied & {"tasks", "flows"}, f"{name} copies {copied}"
     pins = dict(re.findall(r"^([A-Za-z0-9_.\[\]-]+)(==[^\s#]+)", (d / "requirements-env.txt").read_text(), re.M))
     deps = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     pyproject = dict(re.match(r"([A-Za-z0-9_.\[\]-]+)(==\S+)", x).groups() for x in deps if "==" in x)

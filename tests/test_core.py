@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from core.advantages import EstimatorParams, get_estimator, grpo_scores, make_batch, unpad
-from core.config import ConfigError, build_config
+from flows.config import ConfigError, build_config
 from core.curriculum import Phase, phase_at, phase_start, total_steps, turn_limit_at
 from core.losses import clipped_pg_loss, grpo_token_loss, kl_k3
 from core.metrics import episode_metrics
@@ -169,6 +169,20 @@ def test_bad_config_says_how_to_fix(bad, needle):
 def test_unknown_preset():
     with pytest.raises(ConfigError, match="smoke"):
         build_config("babyai", "nope")
+
+
+def test_core_config_takes_presets_as_data():
+    """core.config is pure: the presets come in as data (flows.config looks the env's up)."""
+    from core.config import build_config as core_build
+
+    presets = {"mine": {"rollout": {"temperature": 0.25}, "curriculum": {"phases": [{"turn_limit": 3, "steps": 2}]}}}
+    c = core_build("babyai", "mine", ["algo.lr=2e-6"], presets=presets)
+    assert (c.rollout.temperature, c.curriculum.phases[0].turn_limit, c.algo.lr, c.preset) == (0.25, 3, 2e-6, "mine")
+    assert presets["mine"]["rollout"] == {"temperature": 0.25}  # not mutated
+    with pytest.raises(ConfigError, match="presets=envs.base.env_presets"):
+        core_build("babyai", "mine")
+    with pytest.raises(ConfigError, match="available: mine"):
+        core_build("babyai", "smoke", presets=presets)
 
 
 def test_episode_metrics_average_what_envs_report_besides_reward():

@@ -80,7 +80,7 @@ def test_shard_prepared_reindexes_rows():
 
 
 def test_config_requires_vllm_for_multi_rank():
-    from core.config import ConfigError, build_config
+    from flows.config import ConfigError, build_config
 
     with pytest.raises(ConfigError, match="rollout.backend=vllm"):
         build_config("babyai", "tiny", ["learner.engine=deepspeed", "learner.ranks=2"])

@@ -159,7 +159,7 @@ def test_expert_solves_every_goal_in_process(env):
 
 @pytest.mark.parametrize("env_name", ["textcraft", "sciworld"])
 def test_presets_smoke_and_paper(env_name):
-    from core.config import build_config
+    from flows.config import build_config
 
     paper = build_config(env_name, "paper")
     assert [p.turn_limit for p in paper.curriculum.phases] == [10, 20, 30]

@@ -47,7 +47,7 @@ def test_cpu_env_binds_threads_and_sizes_kv_cache():
 
 
 def test_config_accepts_vllm_and_rejects_unknown_backend():
-    from core.config import ConfigError, build_config
+    from flows.config import ConfigError, build_config
 
     cfg = build_config("babyai", "tiny", ["rollout.backend=vllm", "rollout.vllm_dtype=float32"])
     assert cfg.rollout.backend == "vllm" and cfg.rollout.vllm_dtype == "float32"

@@ -50,7 +50,8 @@ CATALOG_VERSION = 1
 # --- task catalog ------------------------------------------------------------------------------------------
 def catalog_path() -> Path:
     from scienceworld.version import __version__
-    from tasks.backends.model import cache_root
+
+    from envs.cache import cache_root
 
     return cache_root() / "sciworld" / f"catalog-v{CATALOG_VERSION}-scienceworld-{__version__}.json"
 

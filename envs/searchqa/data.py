@@ -22,11 +22,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-
-def cache_root() -> Path:
-    """``$SCALINGINTER_CACHE`` or ``~/.cache/scalinginter``."""
-    root = os.environ.get("SCALINGINTER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "scalinginter")
-    return Path(root)
+from envs.cache import cache_root  # noqa: F401  (re-exported: retriever, env, build_default use it)
 
 
 @dataclass(frozen=True)

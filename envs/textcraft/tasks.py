@@ -138,7 +138,7 @@ def data_hash(minecraft_dir: str) -> str:
 
 
 def cache_dir() -> Path:
-    from tasks.backends.model import cache_root  # the one ScalingInter cache dir
+    from envs.cache import cache_root  # the one ScalingInter cache dir
 
     return cache_root() / "textcraft"
 

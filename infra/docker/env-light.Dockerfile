@@ -15,7 +15,6 @@ RUN pip install -r /tmp/requirements-env.txt \
     fi
 COPY core /app/core
 COPY envs /app/envs
-COPY tasks /app/tasks
 RUN useradd --create-home --uid 1000 envs && mkdir -p /cache && chown envs /cache
 USER envs
 EXPOSE 8000

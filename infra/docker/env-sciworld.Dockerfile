@@ -14,7 +14,6 @@ COPY infra/docker/requirements-env.txt /tmp/requirements-env.txt
 RUN pip install -r /tmp/requirements-env.txt scienceworld==1.2.3
 COPY core /app/core
 COPY envs /app/envs
-COPY tasks /app/tasks
 RUN useradd --create-home --uid 1000 envs && mkdir -p /cache && chown envs /cache
 USER envs
 EXPOSE 8000

