@@ -1,0 +1,257 @@
+"""Evaluation report: per-episode outcomes in, the evaluation document out (pure; the schema is documented in
+``flows/evaluate.py`` and the README).
+
+An evaluation scores every task at every turn budget ``K`` times (greedy when K = 1). This module turns the
+outcomes into, per turn budget: the overall and per-category Avg@K (mean success over the samples), Pass@k for
+every power of two k <= K and K itself (unbiased estimator), mean reward and turns, each rate with a confidence
+interval (Wilson over tasks when K = 1, a bootstrap over tasks otherwise), and the per-task successes, so a paired
+test can be recomputed later (``compare_models``: McNemar on greedy results, a paired bootstrap otherwise).
+
+Masked episodes (infrastructure failures) are counted apart and never scored; a task whose samples were all
+masked is left out of the rates.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from core.stats import bootstrap_ci, mcnemar_exact, paired_bootstrap, pass_at_k, pass_ks, wilson_interval
+
+SCHEMA = "scalinginter.eval/1"
+UNCATEGORIZED = "-"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One episode of an evaluation."""
+
+    task_id: int
+    turn_limit: int
+    sample: int  # 0..K-1
+    success: bool | None  # None: masked (an env failure), not scored
+    reward: float = 0.0
+    turns: int = 0
+    category: str | None = None
+
+
+def _rate(value: float, ci: tuple[float, float], method: str) -> dict[str, Any]:
+    """A rate and its interval; undefined (no task to score) is None, so the JSON stays strict."""
+    if math.isnan(value):
+        return {"value": None, "ci": None, "method": method}
+    return {"value": value, "ci": [ci[0], ci[1]], "method": method}
+
+
+def _cell(tasks: list[dict[str, Any]], samples: int, confidence: float, seed: int) -> dict[str, Any]:
+    """Metrics of a group of tasks (all, or one category) at one budget. ``tasks``: per-task records."""
+    valid = [t for t in tasks if any(s is not None for s in t["successes"])]
+    episodes = sum(s is not None for t in tasks for s in t["successes"])
+    masked = sum(s is None for t in tasks for s in t["successes"])
+    rewards = [r for t in tasks for s, r in zip(t["successes"], t["rewards"]) if s is not None]
+    turns = [n for t in tasks for s, n in zip(t["successes"], t["turns"]) if s is not None]
+    out: dict[str, Any] = {"tasks": len(valid), "episodes": episodes, "masked_episodes": masked,
+                           "mean_reward": sum(rewards) / len(rewards) if rewards else None,
+                           "mean_turns": sum(turns) / len(turns) if turns else None}
+    per_task_avg = []
+    for t in valid:
+        ok = [s for s in t["successes"] if s is not None]
+        per_task_avg.append(sum(ok) / len(ok))
+    avg = sum(per_task_avg) / len(per_task_avg) if per_task_avg else math.nan
+    if samples == 1:  # one greedy episode per task: a proportion over tasks
+        wins = sum(1 for v in per_task_avg if v > 0)
+        out["avg"] = _rate(avg, wilson_interval(wins, len(valid), confidence), "wilson")
+    else:
+        out["avg"] = _rate(avg, bootstrap_ci(per_task_avg, confidence, seed=seed), "bootstrap")
+    out["pass"] = {}
+    for k in pass_ks(samples):
+        vals = []
+        for t in valid:
+            ok = [s for s in t["successes"] if s is not None]
+            if len(ok) >= k:
+                vals.append(pass_at_k(len(ok), sum(ok), k))
+        v = sum(vals) / len(vals) if vals else math.nan
+        if samples == 1:
+            ci = wilson_interval(sum(1 for x in vals if x > 0), len(vals), confidence)
+            out["pass"][str(k)] = {**_rate(v, ci, "wilson"), "tasks": len(vals)}
+        else:
+            out["pass"][str(k)] = {**_rate(v, bootstrap_ci(vals, confidence, seed=seed), "bootstrap"),
+                                   "tasks": len(vals)}
+    return out
+
+
+def model_report(outcomes: Iterable[Outcome], task_ids: list[int], turn_limits: list[int], samples: int,
+                 confidence: float = 0.95, seed: int = 0) -> dict[str, Any]:
+    """``{"budgets": {"<T>": {"turn_limit", "overall", "categories": {name: cell}, "per_task": [...]}}}`` for one
+    model. Every (task, budget, sample) must appear exactly once in ``outcomes``."""
+    check_sweep(samples, turn_limits)
+    grid: dict[tuple[int, int], list[Outcome | None]] = {(t, b): [None] * samples for t in task_ids for b in turn_limits}
+    for o in outcomes:
+        key = (o.task_id, o.turn_limit)
+        if key not in grid or not 0 <= o.sample < samples:
+            raise ValueError(f"outcome for task {o.task_id}, budget {o.turn_limit}, sample {o.sample} is outside "
+                             f"the evaluation ({len(task_ids)} tasks, budgets {turn_limits}, {samples} samples)")
+        if grid[key][o.sample] is not None:
+            raise ValueError(f"two outcomes for task {o.task_id}, budget {o.turn_limit}, sample {o.sample}")
+        grid[key][o.sample] = o
+    missing = [k for k, row in grid.items() if any(x is None for x in row)]
+    if missing:
+        raise ValueError(f"{len(missing)} (task, budget) cells lack samples, e.g. {missing[0]}")
+    budgets: dict[str, Any] = {}
+    for b in turn_limits:
+        per_task = []
+        for t in task_ids:
+            row = grid[(t, b)]
+            cat = next((o.category for o in row if o.category is not None), None)  # type: ignore[union-attr]
+            per_task.append({"task_id": t, "category": str(cat) if cat is not None else UNCATEGORIZED,
+                             "successes": [None if o.success is None else int(o.success) for o in row],  # type: ignore[union-attr]
+                             "rewards": [float(o.reward) for o in row],  # type: ignore[union-attr]
+                             "turns": [int(o.turns) for o in row]})  # type: ignore[union-attr]
+        cats: dict[str, list[dict[str, Any]]] = {}
+        for r in per_task:
+            cats.setdefault(r["category"], []).append(r)
+        budgets[str(b)] = {"turn_limit": b, "overall": _cell(per_task, samples, confidence, seed),
+                           "categories": {c: _cell(rs, samples, confidence, seed) for c, rs in sorted(cats.items())},
+                           "per_task": per_task}
+    return {"budgets": budgets}
+
+
+def check_sweep(samples: int, turn_limits: list[int]) -> None:
+    """Refuse a bad sample count or budget list, saying how to fix it."""
+    if samples < 1:
+        raise ValueError(f"--samples must be >= 1 (1 = one greedy episode per task), got {samples}")
+    if not turn_limits:
+        raise ValueError("the turn budget list is empty: pass e.g. --turn-limits 2,4,8")
+    if any(t < 1 for t in turn_limits):
+        raise ValueError(f"turn budgets must be >= 1, got {turn_limits}")
+    if list(turn_limits) != sorted(set(turn_limits)):
+        raise ValueError(f"turn budgets must be strictly increasing without repeats, got "
+                         f"{','.join(map(str, turn_limits))}: pass e.g. {','.join(map(str, sorted(set(turn_limits))))}")
+
+
+def _task_scores(per_task: list[dict[str, Any]]) -> dict[int, tuple[float, bool]]:
+    """task id -> (mean success over its unmasked samples, whether it was greedy-solved); masked tasks left out."""
+    out = {}
+    for r in per_task:
+        ok = [s for s in r["successes"] if s is not None]
+        if ok:
+            out[r["task_id"]] = (sum(ok) / len(ok), ok[0] == 1)
+    return out
+
+
+def paired_test(a_tasks: list[dict[str, Any]], b_tasks: list[dict[str, Any]], greedy: bool,
+                confidence: float = 0.95, seed: int = 0) -> dict[str, Any]:
+    """A (first model) vs B (second) on the tasks both scored: the difference of mean success A - B with a paired
+    bootstrap interval, and the p-value of "no difference" (exact McNemar when both are greedy, the paired
+    bootstrap otherwise). ``a_better``/``b_better``: tasks where only one side succeeded (greedy)."""
+    sa, sb = _task_scores(a_tasks), _task_scores(b_tasks)
+    common = [t for t in sa if t in sb]
+    out: dict[str, Any] = {"tasks": len(common)}
+    if not common:
+        return {**out, "a": None, "b": None, "diff": None, "ci": None, "p_value": None, "test": "none"}
+    xa, xb = [sa[t][0] for t in common], [sb[t][0] for t in common]
+    pb = paired_bootstrap(xa, xb, confidence, seed=seed)
+    out.update(a=sum(xa) / len(xa), b=sum(xb) / len(xb), diff=pb.diff, ci=[pb.ci[0], pb.ci[1]])
+    if greedy:
+        a_only = sum(1 for t in common if sa[t][1] and not sb[t][1])
+        b_only = sum(1 for t in common if sb[t][1] and not sa[t][1])
+        out.update(test="mcnemar_exact", p_value=mcnemar_exact(a_only, b_only), a_better=a_only, b_better=b_only,
+                   p_a_worse=mcnemar_exact(a_only, b_only, alternative="less"))
+    else:
+        out.update(test="paired_bootstrap", p_value=pb.p_value)
+    return out
+
+
+def compare_models(a: dict[str, Any], b: dict[str, Any], samples: int, confidence: float = 0.95,
+                   seed: int = 0) -> dict[str, Any]:
+    """Per budget (those both reports have): overall and per-category ``paired_test`` of model report ``a`` vs
+    ``b``."""
+    out: dict[str, Any] = {}
+    for key, ba in a["budgets"].items():
+        bb = b["budgets"].get(key)
+        if bb is None:
+            continue
+        cats = sorted({r["category"] for r in ba["per_task"]})
+        out[key] = {"turn_limit": ba["turn_limit"],
+                    "overall": paired_test(ba["per_task"], bb["per_task"], samples == 1, confidence, seed),
+                    "categories": {c: paired_test([r for r in ba["per_task"] if r["category"] == c],
+                                                  [r for r in bb["per_task"] if r["category"] == c],
+                                                  samples == 1, confidence, seed) for c in cats}}
+    return out
+
+
+def flat_metrics(report: dict[str, Any], model: str = "model", turn_limit: int | None = None) -> dict[str, float]:
+    """MLflow-style flat numbers of one model at one budget (default: the largest): success_rate (= Avg@K) and its
+    interval, pass@k, mean reward and turns, episode counts."""
+    budgets = report["models"][model]["budgets"]
+    key = str(turn_limit) if turn_limit is not None else max(budgets, key=int)
+    c = budgets[key]["overall"]
+    ci = c["avg"]["ci"] or [None, None]
+    out = {"success_rate": c["avg"]["value"], "success_rate_ci_low": ci[0], "success_rate_ci_high": ci[1],
+           "mean_reward": c["mean_reward"], "mean_turns": c["mean_turns"], "episodes": float(c["episodes"]),
+           "masked_episodes": float(c["masked_episodes"]), "tasks": float(c["tasks"])}
+    for k, v in c["pass"].items():
+        out[f"pass_at_{k}"] = v["value"]
+    return {k: float(v) for k, v in out.items() if v is not None}  # undefined numbers are left out
+
+
+def _fmt_rate(r: dict[str, Any]) -> str:
+    if r["value"] is None:
+        return "-"
+    return f"{r['value']:.3f} [{r['ci'][0]:.3f}, {r['ci'][1]:.3f}]"
+
+
+def _f(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def format_p(p: float | None) -> str:
+    return "-" if p is None or math.isnan(p) else (f"{p:.3g}" if p >= 0.001 else f"{p:.1e}")
+
+
+def report_text(doc: dict[str, Any]) -> str:
+    """The evaluation as text: a header, then per model one line per budget (and per category), then the paired
+    comparison per budget."""
+    K = doc["samples"]
+    ks = pass_ks(K)
+    conf = int(round(doc["confidence"] * 100))
+    lines = [doc.get("header", "")]
+    metric = "success" if K == 1 else f"Avg@{K}"
+    for name, m in doc["models"].items():
+        lines.append(f"\n{name}: {m['ref']}")
+        cols = [metric] + ([f"Pass@{k}" for k in ks if k > 1])
+        lines.append(f"  {'budget':<8}{'category':<22}{'tasks':>6}  " + "  ".join(f"{c + f' ({conf}% CI)':<26}" for c in cols)
+                     + f"{'reward':>8}{'turns':>7}")
+        for key, b in m["budgets"].items():
+            rows = [("all", b["overall"])] + (list(b["categories"].items()) if len(b["categories"]) > 1 else [])
+            for cat, c in rows:
+                rates = [c["avg"]] + [c["pass"][str(k)] for k in ks if k > 1]
+                lines.append(f"  {key:<8}{cat[:21]:<22}{c['tasks']:>6}  " + "  ".join(f"{_fmt_rate(r):<26}" for r in rates)
+                             + f"{_f(c['mean_reward'], '.3f'):>8}{_f(c['mean_turns'], '.2f'):>7}")
+    cmp = doc.get("comparison")
+    if cmp:
+        lines.append(f"\n{cmp['a']} - {cmp['b']} on the same tasks and seeds ({cmp['budgets'] and next(iter(cmp['budgets'].values()))['overall'].get('test', '')}):")
+        for key, b in cmp["budgets"].items():
+            o = b["overall"]
+            if o["diff"] is None:
+                lines.append(f"  budget {key}: no task scored by both")
+                continue
+            extra = (f", {o['a_better']} tasks only {cmp['a']}, {o['b_better']} only {cmp['b']}"
+                     if "a_better" in o else "")
+            lines.append(f"  budget {key}: {o['a']:.3f} vs {o['b']:.3f}, diff {o['diff']:+.3f} "
+                         f"[{o['ci'][0]:+.3f}, {o['ci'][1]:+.3f}], p = {format_p(o['p_value'])} ({o['tasks']} tasks{extra})")
+    return "\n".join(lines)
+
+
+def build_document(meta: dict[str, Any], models: dict[str, tuple[str, dict[str, Any]]], samples: int,
+                   turn_limits: list[int], confidence: float = 0.95, seed: int = 0,
+                   compare: tuple[str, str] | None = None) -> dict[str, Any]:
+    """The evaluation document: ``meta`` (env, split, header, ...) plus ``models`` ({name: (ref, model_report)}) and,
+    with ``compare=(a, b)``, the paired comparison of model a vs model b."""
+    doc = {"schema": SCHEMA, **meta, "samples": samples, "turn_limits": list(turn_limits), "confidence": confidence,
+           "seed": seed, "models": {name: {"ref": ref, **rep} for name, (ref, rep) in models.items()}}
+    if compare is not None:
+        a, b = compare
+        doc["comparison"] = {"a": a, "b": b, "budgets": compare_models(models[a][1], models[b][1], samples,
+                                                                        confidence, seed)}
+    return doc
