@@ -235,6 +235,7 @@ class AgentGymClient(_AgentGymBase, EnvClient):
         self._state[env_id] = EpisodeState()
         info = {k: v for k, v in body.items() if k != "observation"} if isinstance(body, dict) else {}
         info.setdefault("success", False)
+        info.setdefault("category", self.dialect.env)  # per-category eval scores: all an AgentGym reset tells
         return ResetResult(obs, info, self.instruction)
 
     def step(self, env_id: int, action: str) -> StepResult:
@@ -300,6 +301,7 @@ class AsyncAgentGymClient(_AgentGymBase, AsyncEnvClient):
         self._state[env_id] = EpisodeState()
         info = {k: v for k, v in body.items() if k != "observation"} if isinstance(body, dict) else {}
         info.setdefault("success", False)
+        info.setdefault("category", self.dialect.env)  # per-category eval scores: all an AgentGym reset tells
         return ResetResult(obs, info, self.instruction)
 
     async def step(self, env_id: int, action: str) -> StepResult:

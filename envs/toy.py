@@ -116,7 +116,9 @@ class ToyEnv:
         hall = ", ".join(f"door {i} is {c}" for i, c in enumerate(doors, 1))
         note = f" A note on the wall says: the prize is behind the {doors[prize - 1]} door." if self.hint else ""
         self._obs = f"You are in a hall with {self.n_doors} doors: {hall}.{note}\n{self._status()}"
-        return self._obs, {"data_idx": self._data_idx, "split": split_of(self._data_idx), "success": False}
+        # category (per-category eval scores): where the prize is, the door to find
+        return self._obs, {"data_idx": self._data_idx, "split": split_of(self._data_idx), "success": False,
+                           "category": f"door-{prize}"}
 
     def step(self, action: str) -> StepResult:
         if self._data_idx is None:

@@ -48,6 +48,8 @@ class EnvConfigError(ValueError):
 class EpisodeSpec:
     task_id: int  # data_idx
     group_id: int
+    turn_limit: int | None = None  # this episode's own turn budget (an eval sweep); None: the rollout's
+    seed_key: int | None = None  # the episode's index in its sampling seed (default: its position in the batch)
 
 
 @dataclass
@@ -115,13 +117,15 @@ async def run_rollout(
     ``episode_ids`` (default 0..n-1) are the episodes' indices in that seed, so a re-run of some episodes samples
     as they would have. With ``max_live``, at most that many episodes run at once; the next start as others
     finish."""
-    if turn_limit < 1:
+    if turn_limit < 1 or any(s.turn_limit is not None and s.turn_limit < 1 for s in specs):
         raise ValueError("turn_limit must be >= 1")
     if max_live is not None and max_live < 1:
         raise ValueError("max_live must be >= 1 (or None for all episodes at once)")
     ids = list(range(len(specs))) if episode_ids is None else list(episode_ids)
     if len(ids) != len(specs):
         raise ValueError(f"episode_ids has {len(ids)} entries for {len(specs)} specs")
+    ids = [i if s.seed_key is None else s.seed_key for i, s in zip(ids, specs)]
+    limits = [turn_limit if s.turn_limit is None else s.turn_limit for s in specs]
     stats = RolloutStats(episodes=len(specs))
     t_start = time.time()
     envs = [make_env(i) for i in range(len(specs))]
@@ -150,6 +154,8 @@ async def run_rollout(
                 continue
             prompt = chat.prompt_ids(r.instruction, r.observation)
             trajs[i].info["first_observation"] = r.observation
+            if r.info.get("category") is not None:  # the env's task category (per-category eval scores)
+                trajs[i].info["category"] = str(r.info["category"])
             trajs[i].start(prompt)
             if len(prompt) + 1 >= token_budget:
                 trajs[i].finish("token_budget")
@@ -206,7 +212,7 @@ async def run_rollout(
             if r.terminated:
                 tr.finish("success" if success else "failure", success)
                 continue
-            if tr.turns >= turn_limit:
+            if tr.turns >= limits[i]:
                 tr.finish("turn_limit")
                 continue
             if r.truncated:  # the env's own step budget ran out

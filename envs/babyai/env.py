@@ -187,7 +187,8 @@ class BabyAIEnv:
         self._known, self._counts = [], {}
         self._over = self._terminated = self._truncated = self._success = False
         self._meta = {"level": level, "seed": seed, "data_idx": int(data_idx), "split": split_of(int(data_idx)),
-                      "mission": env.mission, "max_steps": env.max_steps}
+                      "mission": env.mission, "max_steps": env.max_steps,
+                      "category": short_name(level)}  # per-category eval scores: the level
         self._refresh()
         self._obs = self._render(None)
         return self._obs, self._info(valid=True, action=None, turn_steps=0)

@@ -163,7 +163,8 @@ class MiniWoBEnv(BrowserEpisodeEnv):
         await page.wait_for_function("() => WOB_TASK_READY !== false", timeout=self.action_timeout_s * 1000)
         self._task_name = name
         self._objective = " ".join(str(await page.evaluate(_UTTERANCE_JS) or "").split())
-        return {"task": name, "seed": seed, "data_idx": data_idx, "split": split_of(data_idx), "success": False}
+        return {"task": name, "seed": seed, "data_idx": data_idx, "split": split_of(data_idx), "success": False,
+                "category": name}  # per-category eval scores: the MiniWoB task
 
     def _reward(self, meta: dict[str, Any]) -> float:
         raw = float(meta.get("raw_reward") or 0.0)

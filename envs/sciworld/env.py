@@ -197,7 +197,7 @@ class SciWorldEnv:
         self._done = self._success = False
         self._obs = f"{desc}\n\n{look}".strip()
         self._meta = {"data_idx": int(data_idx), "split": split_of(int(data_idx)), "task": task,
-                      "variation": int(variation)}
+                      "variation": int(variation), "category": task}  # per-category eval scores: the task family
         return self._obs, self._info(None)
 
     def step(self, action: str) -> StepResult:

@@ -148,7 +148,8 @@ class SearchQAEnv:
         self._done, self._n_searches, self._last_query = False, 0, ""
         self._obs = f"Question: {q.question}"
         return self._obs, self._info(False, data_idx=data_idx, split=split_of(data_idx), question_id=q.id,
-                                     question=q.question, type=q.metadata.get("type"))
+                                     question=q.question, type=q.metadata.get("type"),
+                                     category=hop_category(q.metadata))
 
     def step(self, action: str) -> StepResult:
         if self._q is None:
@@ -196,3 +197,17 @@ class SearchQAEnv:
         # for the eval/train metrics: F1 of the final answer (0 until one is given) and searches made
         info["episode_metrics"] = {"f1": float(extra.get("f1", 0.0)), "searches": float(self._n_searches)}
         return info
+
+
+def hop_category(metadata: dict[str, Any]) -> str:
+    """A question's category for per-category eval scores: its hop count (``metadata["hops"]``, or the length of
+    its oracle ``plan``), else its ``type``, else "-"."""
+    hops = metadata.get("hops")
+    if hops is None and isinstance(metadata.get("plan"), list):
+        hops = len(metadata["plan"])
+    if hops is not None:
+        try:
+            return f"{int(hops)}-hop"
+        except (TypeError, ValueError):
+            pass
+    return str(metadata.get("type") or "-")

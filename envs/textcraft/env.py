@@ -86,7 +86,7 @@ class TextCraftEnv:
             raise TimeoutError(f"textcraft reset({data_idx}) took {elapsed:.1f} s > reset_timeout_s="
                                f"{self.reset_timeout_s:g} s (is the task cache {self.tasks.path} readable?)")
         self._meta = {"data_idx": int(data_idx), "split": split_of(int(data_idx)), "goal": task["goal"],
-                      "depth": task["depth"]}
+                      "depth": task["depth"], "category": f"depth-{task['depth']}"}  # per-category eval scores
         return self._obs, self._info(None)
 
     def step(self, action: str) -> StepResult:

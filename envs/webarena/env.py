@@ -222,8 +222,9 @@ class WebArenaEnv(BrowserEpisodeEnv):
         self._objective = str(task["intent"])
         start = self.substitute(str(task["start_url"]).split(" |AND| ")[0])
         await self.goto(start)
-        return {"task_id": task.get("task_id"), "site": ",".join(task.get("sites") or []), "data_idx": data_idx,
-                "split": split_of(data_idx), "success": False}
+        site = ",".join(task.get("sites") or [])
+        return {"task_id": task.get("task_id"), "site": site, "data_idx": data_idx, "split": split_of(data_idx),
+                "success": False, "category": site or "-"}  # per-category eval scores: the web site
 
     async def _fetch(self, url: str, locator: str) -> str:
         js = locator.strip() or "document.body.innerText"
