@@ -15,7 +15,11 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-_ACTION_LINE = re.compile(r"^[\s>*_#-]*action\s*[*_]*\s*:\s*[*_]*(.*?)\s*$", re.IGNORECASE | re.MULTILINE)
+# Linear time on any input: the prefix class excludes newlines (so a run of blank lines is not rescanned from
+# every line start), runs of spaces/emphasis are one character class each, and the trailing whitespace is
+# stripped in Python instead of by a lazy group racing a ``\s*$`` (quadratic on long trailing runs).
+_ACTION_LINE = re.compile(r"^[ \t\r\f\v>*_#-]*action[ \t\r\f\v*_]*:[\s*_]*([^\n]*)",
+                          re.IGNORECASE | re.MULTILINE)
 _STRIP = " \t\"'`*_"
 
 
@@ -32,13 +36,13 @@ class Extracted:
 def default_normalize(text: str) -> str:
     """Lower case, single spaces, no surrounding quotes/backticks, no trailing full stop."""
     text = text.strip().strip(_STRIP).strip()
-    text = re.sub(r"[.!]+$", "", text).strip()
+    text = text.rstrip(".!").strip()
     return " ".join(text.lower().split())
 
 
 def action_lines(reply: str) -> list[str]:
     """The raw texts after every ``Action:`` line, in order."""
-    return [m.group(1) for m in _ACTION_LINE.finditer(reply or "")]
+    return [m.group(1).strip() for m in _ACTION_LINE.finditer(reply or "")]
 
 
 def extract_action(reply: str, normalize: Callable[[str], str] = default_normalize) -> Extracted:

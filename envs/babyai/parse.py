@@ -19,7 +19,10 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-_ACTION_RE = re.compile(r"(?<![a-z])action\s*[*_]*\s*:\s*(.*)", re.IGNORECASE)
+# One character class between "action" and ":" (never two adjacent quantifiers that can trade characters), so a
+# long run of spaces or emphasis costs linear time, not quadratic.
+_ACTION_RE = re.compile(r"(?<![a-z])action[\s*_]*:\s*(.*)", re.IGNORECASE)
+_NEXT_WORD = re.compile(r" *(\S+)")
 _ARTICLES = {"the", "a", "an"}
 _OBJECT_WORDS = {"red", "green", "blue", "purple", "yellow", "grey", "gray", "ball", "key", "box", "door", "object"}
 _STRIP_CHARS = " \t\"'`*_<>[](){}.,;:!?"
@@ -43,7 +46,9 @@ def normalize(text: str) -> str:
 
 
 def _strip_index(phrase: str) -> str:
-    return re.sub(r"\s+\d+$", "", phrase)
+    """'go to red ball 1' -> 'go to red ball' (``phrase`` is normalized: single spaces)."""
+    head, _, last = phrase.rpartition(" ")
+    return head if head and last.isdigit() else phrase
 
 
 def _find_mentions(text: str, canon: dict[str, str]) -> list[str]:
@@ -56,8 +61,8 @@ def _find_mentions(text: str, canon: dict[str, str]) -> list[str]:
         for m in re.finditer(r"(?<![a-z0-9])" + re.escape(phrase) + r"(?![a-z0-9])", text):
             if any(taken[m.start() : m.end()]):
                 continue
-            nxt = text[m.end() :].split(maxsplit=1)
-            if nxt and (nxt[0] in _OBJECT_WORDS or nxt[0].isdigit()):
+            nxt = _NEXT_WORD.match(text, m.end())  # the next word, without copying the rest of the text
+            if nxt and (nxt.group(1) in _OBJECT_WORDS or nxt.group(1).isdigit()):
                 continue  # "pick up red ball 2" is not the bare "pick up" when red ball 2 is unavailable
             for i in range(m.start(), m.end()):
                 taken[i] = True
@@ -73,7 +78,7 @@ def _match_phrase(phrase: str, canon: dict[str, str]) -> ParseResult:
     if norm in canon:
         return ParseResult(canon[norm], None)
     # "go to red ball" for "go to red ball 1" when it is the only red ball
-    if not re.search(r"\d$", norm):
+    if not norm[-1].isdigit():
         fits = [a for n, a in canon.items() if _strip_index(n) == norm and n != norm]
         if len(fits) == 1:
             return ParseResult(fits[0], None)

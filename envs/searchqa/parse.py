@@ -16,9 +16,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 KINDS = ("search", "answer")
-_THINK = re.compile(r"<think>.*?</think>", re.IGNORECASE | re.DOTALL)
-_TAG = re.compile(r"<(search|answer)>(.*?)</\1>", re.IGNORECASE | re.DOTALL)
+# Tags are found with plain patterns and paired up by hand: a lazy ``<tag>.*?</tag>`` pattern rescans the rest
+# of the text from every unclosed opening tag (quadratic time on "<search>" x 50k).
+_THINK_OPEN = re.compile(r"<think>", re.IGNORECASE)
+_THINK_CLOSE = re.compile(r"</think>", re.IGNORECASE)
 _OPEN = re.compile(r"<(search|answer)>", re.IGNORECASE)
+_CLOSE = {k: re.compile(rf"</{k}>", re.IGNORECASE) for k in KINDS}
 HOW = "Reply with <search>query</search> to search, or <answer>text</answer> to give your final answer."
 
 
@@ -42,15 +45,56 @@ def _clean(text: str) -> str:
     return " ".join(text.split())
 
 
+def _last_start(pattern: re.Pattern, text: str) -> int:
+    """Where the last match of ``pattern`` starts (-1 when none); one linear pass."""
+    last = -1
+    for m in pattern.finditer(text):
+        last = m.start()
+    return last
+
+
+def _drop_think(reply: str) -> str:
+    """The reply with every ``<think>...</think>`` block (first closing tag ends it) replaced by a space."""
+    out, pos = [], 0
+    while True:
+        m = _THINK_OPEN.search(reply, pos)
+        if m is None:
+            break
+        c = _THINK_CLOSE.search(reply, m.end())
+        if c is None:  # no closing tag after this one: none after any later one either
+            break
+        out += [reply[pos : m.start()], " "]
+        pos = c.end()
+    out.append(reply[pos:])
+    return "".join(out)
+
+
+def _tags(body: str) -> list[tuple[str, str]]:
+    """(kind, raw content) of every ``<kind>...</kind>`` pair, left to right, as a lazy regex would pair them."""
+    last_close = {k: _last_start(p, body) for k, p in _CLOSE.items()}
+    found, pos = [], 0
+    while True:
+        m = _OPEN.search(body, pos)
+        if m is None:
+            return found
+        kind = m.group(1).lower()
+        if last_close[kind] < m.end():  # never closed: try the next opening tag
+            pos = m.start() + 1
+            continue
+        c = _CLOSE[kind].search(body, m.end())
+        assert c is not None
+        found.append((kind, body[m.end() : c.start()]))
+        pos = c.end()
+
+
 def parse_reply(reply: str) -> ParseResult:
     """The one action in a reply, or why there is none."""
     if not isinstance(reply, str) or not reply.strip():
         return ParseResult(None, f"The reply is empty. {HOW}")
-    body = _THINK.sub(" ", reply)
-    found = [(m.group(1).lower(), _clean(m.group(2))) for m in _TAG.finditer(body)]
+    body = _drop_think(reply)
+    found = [(kind, _clean(text)) for kind, text in _tags(body)]
     if not found:
-        rest = _TAG.sub(" ", body)
-        m = _OPEN.search(rest)
+        m = _OPEN.search(body)
         if m:
             kind = m.group(1).lower()
             return ParseResult(None, f"The <{kind}> tag is not closed: end it with </{kind}>. {HOW}")
