@@ -6,22 +6,38 @@
 with ``env.dialect=agentgym`` and ``env.url=http://host:port`` (``env.name`` names the AgentGym env:
 babyai, textcraft, sciworld, webarena, searchqa, webshop, alfworld, ...).
 
-What the adapter maps (see ../shared/design/prior-art.md):
+What the adapter maps (see ../shared/design/prior-art.md and ../shared/agentgym-transcripts/README.md):
 
 * ids: every request carries both ``id`` and ``env_idx`` (servers ignore the key they do not use);
   ``/create`` may answer ``{"id": n}``, ``{"env_idx": n}``, ``{"id": n, "observation": ...}`` or a bare int.
 * replies may be a dict, a bare string (an observation) or a bare bool (``/close``).
-* ``/step`` answers ``observation, reward, done`` (+ ``score``): SciWorld's ``score`` (0-100) becomes the
-  reward (score change / 100 per step, so the return is score / 100) and success is score 100; for the
-  other envs success is a positive reward at the end (WebShop: reward 1).
+* splits: our task index (train ``[0, 1e6)``, test ``>= 1e6``) is mapped onto the server's own index space by
+  a documented partition per env (``SPLITS``), so no test task is one training also draws. BabyAI builds level
+  ``data_idx % 40 + 1`` with seed ``data_idx // 40``: the indices pass as they are (train seeds < 25,000, test
+  seeds >= 25,000, every level in both). TextCraft picks goal ``data_idx % 544``: goals ``g % 5 == 4`` (108)
+  are the test goals, the other 436 the train goals. Where no partition is known (SciWorld's server lists the
+  train and test variations of every task in one list; WebArena, SearchQA, WebShop, ALFWorld, others), a test
+  index is refused with the reason (``EnvBadRequest`` code ``split_refused``, a configuration error for the
+  rollout), never silently overlapped.
+* rewards, read the way each server means them (``Dialect.score``): BabyAI's ``reward`` is the current value
+  and its ``score`` the running sum of those values (what AgentGym's BabyAI client scores), so the step reward
+  is the change of ``score`` and an episode's return is its last ``score``; the server un-sets ``done`` on a
+  late win worth <= 0.5, so such an episode runs on and is not a success. SciWorld's ``score`` (0-100) becomes
+  score change / 100 (success: score 100). TextCraft and the others: ``reward`` as sent (success: done with a
+  positive reward; WebShop: reward 1).
 * errors: AgentGym servers answer failures with HTTP 200 ``{"error": ...}`` (or a 5xx). Those are
   infrastructure failures, never an outcome: they raise ``EnvServerError`` (code ``agentgym_error``),
   which the rollout turns into a masked episode; the failed env id is closed (best effort) and the
   episode's next ``create`` gets a fresh env.
 * actions: AgentGym servers take the bare action, their clients extract it from the model's reply; so do
-  we (``Action:`` line; WebArena: the first fenced block; SearchQA: the reply as is). A reply without a
-  well-formed action never reaches the server: it gets an explanatory observation, reward 0, not done,
-  ``info["invalid_action"]``.
+  we. ReAct envs: the text after the one ``Action:`` line (or on the line below it), reduced as AgentGym's
+  clients do to ``[A-Za-z0-9, ]`` with single spaces for BabyAI and TextCraft (``go to red ball 1.`` ->
+  ``go to red ball 1``; case kept, the servers are case-sensitive; TextCraft ``look`` -> ``inventory``).
+  WebArena: the first fenced block; SearchQA: the reply as is. A reply without an ``Action:`` line (even a
+  one-line one), with two different actions or an empty one never reaches the server: it gets an explanatory
+  observation, reward 0, not done, ``info["invalid_action"]``.
+* capacity: AgentGym servers advertise none (``capacity()`` is None): the rollout runs them unbounded unless
+  ``rollout.max_live_episodes`` is set.
 * AgentGym servers send no instruction; the adapter uses the env's instruction text (ours for babyai /
   textcraft / sciworld, or ``instruction=``).
 
@@ -36,27 +52,97 @@ from typing import Any
 
 import httpx
 
-from envs.base import StepResult
+from envs.base import TEST_OFFSET, StepResult, split_of
 from envs.client import AsyncEnvClient, EnvClient, ResetResult, _Base
-from envs.errors import EnvServerError
-from envs.react import extract_action
+from envs.errors import EnvBadRequest, EnvServerError
+from envs.react import action_lines
 
 _FENCE = re.compile(r"```(?:[\w+-]*\n)?(.*?)```", re.DOTALL)
+
+
+# --- splits: our task index -> the server's own index --------------------------------------------------------
+@dataclass(frozen=True)
+class SplitMap:
+    """How our train/test task indices map onto an AgentGym server's ``data_idx`` (a partition of its index space).
+
+    ``period`` / ``test_residues``: the server picks its task as ``data_idx % period``; residues in
+    ``test_residues`` are the test tasks, the others the train tasks, and the i-th index of a split is the
+    (i mod n)-th residue of that split plus ``period * (i div n)``. ``period`` None: indices pass unchanged (the
+    server's index space is already split at ``TEST_OFFSET``). ``refuse_test``: no honest partition is known; a
+    test index is refused with this reason."""
+
+    doc: str
+    period: int | None = None
+    test_residues: frozenset[int] = frozenset()
+    refuse_test: str | None = None
+
+    def residues(self, split: str) -> list[int]:
+        assert self.period is not None
+        test = split == "test"
+        return [r for r in range(self.period) if (r in self.test_residues) == test]
+
+    def server_index(self, data_idx: int) -> int:
+        """The server's ``data_idx`` for our task index (``ValueError`` with the reason if the split is refused)."""
+        split = split_of(data_idx)
+        i = data_idx - (TEST_OFFSET if split == "test" else 0)
+        if split == "test" and self.refuse_test:
+            raise ValueError(self.refuse_test)
+        if self.period is None:
+            return data_idx
+        res = self.residues(split)
+        return res[i % len(res)] + self.period * (i // len(res))
+
+
+BABYAI_LEVELS = 40
+TEXTCRAFT_GOALS = 544  # len(item_depth_list) of agentenv-textcraft as recorded (../shared/agentgym-transcripts)
+
+_NO_PARTITION = ("AgentGym's {env} server has no documented train/test partition of its data_idx space that this "
+                 "adapter knows, so no index range is held out from training; evaluate on --split train, or serve "
+                 "{env} with ScalingInter's own server (drop env.dialect=agentgym)")
+
+SPLITS: dict[str, SplitMap] = {
+    "babyai": SplitMap(
+        f"level data_idx % {BABYAI_LEVELS} + 1, seed data_idx // {BABYAI_LEVELS}: indices pass unchanged; train "
+        f"[0, {TEST_OFFSET:,}) uses seeds 0-{TEST_OFFSET // BABYAI_LEVELS - 1:,}, test [{TEST_OFFSET:,}, ...) seeds "
+        f">= {TEST_OFFSET // BABYAI_LEVELS:,}; all {BABYAI_LEVELS} levels in both, no (level, seed) in both"),
+    "textcraft": SplitMap(
+        f"goal data_idx % {TEXTCRAFT_GOALS}: goals g % 5 == 4 ({len(range(4, TEXTCRAFT_GOALS, 5))}) are the test "
+        f"goals, the other {TEXTCRAFT_GOALS - len(range(4, TEXTCRAFT_GOALS, 5))} the train goals; the i-th task "
+        f"of a split is its (i mod n)-th goal + {TEXTCRAFT_GOALS} x (i div n)",
+        period=TEXTCRAFT_GOALS, test_residues=frozenset(range(4, TEXTCRAFT_GOALS, 5))),
+    "sciworld": SplitMap(
+        "train indices pass unchanged; test refused: the server lists every variation of every task (ScienceWorld's "
+        "train and test variations alike) in one list",
+        refuse_test="AgentGym's sciworld server lists every variation of every task, ScienceWorld's train and test "
+                    "variations alike, in one data_idx list, so no index range of it is held out from training; "
+                    "evaluate on --split train, or serve sciworld with ScalingInter's own server (drop "
+                    "env.dialect=agentgym), whose test split is ScienceWorld's test variations"),
+}
+
+
+def split_map_for(env: str) -> SplitMap:
+    return SPLITS.get(env) or SplitMap("train indices pass unchanged; test refused (no known partition)",
+                                       refuse_test=_NO_PARTITION.format(env=env))
 
 
 @dataclass(frozen=True)
 class Dialect:
     env: str
     action_format: str = "react"  # react | fenced | raw
-    score_scale: float | None = None  # reward from the score change / scale (SciWorld: 100)
-    success_reward: float = 0.0  # success iff done and reward > this (or >= 1 when full_reward)
-    full_reward: bool = False
+    keep_chars: str | None = None  # regex class of the characters AgentGym's client keeps in an action
+    score_scale: float | None = None  # the step reward is the change of ``score`` / this (None: ``reward`` as sent)
+    score_clamp: bool = False  # clamp the score to [0, score_scale] (SciWorld's 0-100)
+    full_reward: bool = False  # success needs a return >= 1 (else > 0); with a score: the score at its scale
+
+    @property
+    def split(self) -> SplitMap:
+        return split_map_for(self.env)
 
 
 DIALECTS: dict[str, Dialect] = {
-    "babyai": Dialect("babyai"),
-    "textcraft": Dialect("textcraft"),
-    "sciworld": Dialect("sciworld", score_scale=100.0),
+    "babyai": Dialect("babyai", keep_chars="A-Za-z0-9, ", score_scale=1.0),
+    "textcraft": Dialect("textcraft", keep_chars="A-Za-z0-9, "),
+    "sciworld": Dialect("sciworld", score_scale=100.0, score_clamp=True, full_reward=True),
     "webarena": Dialect("webarena", action_format="fenced"),
     "searchqa": Dialect("searchqa", action_format="raw"),
     "webshop": Dialect("webshop", full_reward=True),
@@ -151,17 +237,32 @@ def decode_step(body: Any, dialect: Dialect, state: EpisodeState) -> StepResult:
     raw_reward = _num(body.get("reward"))
     info: dict[str, Any] = {k: v for k, v in body.items() if k not in ("observation", "reward", "done")}
     if dialect.score_scale is not None and "score" in body:
-        score = max(0.0, min(dialect.score_scale, _num(body["score"])))
+        score = _num(body["score"])
+        if dialect.score_clamp:
+            score = max(0.0, min(dialect.score_scale, score))
         reward = (score - state.score) / dialect.score_scale
         state.score = score
-        success = done and score >= dialect.score_scale
+        ret = score / dialect.score_scale  # the episode's return so far (what AgentGym's client scores)
         info["score"] = score
         info["episode_metrics"] = {"score": score}
     else:
-        reward = raw_reward
-        success = done and (raw_reward >= 1.0 if dialect.full_reward else raw_reward > dialect.success_reward)
+        reward = ret = raw_reward
+    success = done and (ret >= 1.0 if dialect.full_reward else ret > 0.0)
     info["success"] = bool(success)
     return StepResult(obs, float(reward), done, bool(body.get("truncated", False)) and not done, info)
+
+
+def normalize_action(text: str, dialect: Dialect) -> str:
+    """An action as AgentGym's client for ``dialect`` sends it: only ``keep_chars`` kept (BabyAI, TextCraft:
+    ``[A-Za-z0-9, ]``), single spaces, case kept; TextCraft's ``look`` becomes ``inventory``."""
+    if dialect.keep_chars:
+        text = re.sub(f"[^{dialect.keep_chars}]+", "", text)
+    else:
+        text = text.strip().strip("`'\"*_")
+    text = " ".join(text.split())
+    if dialect.env == "textcraft" and text.lower() == "look":
+        text = "inventory"
+    return text
 
 
 def extract_reply_action(reply: str, dialect: Dialect) -> tuple[str | None, str | None]:
@@ -173,8 +274,18 @@ def extract_reply_action(reply: str, dialect: Dialect) -> tuple[str | None, str 
         if m and m.group(1).strip():
             return m.group(1).strip(), None
         return None, "no action found; put the action in a fenced code block"
-    ex = extract_action(reply, lambda s: " ".join(s.strip().strip("`'\"*_").strip().split()))
-    return (ex.action, None) if ex.ok else (None, ex.error)
+    if not isinstance(reply, str) or not reply.strip():
+        return None, "the reply is empty"
+    lines = action_lines(reply)
+    if not lines:
+        return None, "the reply has no 'Action:' line"
+    found = list(dict.fromkeys(a for a in (normalize_action(x, dialect) for x in lines) if a))
+    if not found:
+        return None, "the Action line is empty"
+    if len(found) > 1:
+        return None, (f"one action per turn, but the reply has {len(found)} different Action lines "
+                      f"({', '.join(repr(a) for a in found[:3])})")
+    return found[0], None
 
 
 def invalid_result(error: str, dialect: Dialect) -> StepResult:
@@ -182,6 +293,16 @@ def invalid_result(error: str, dialect: Dialect) -> StepResult:
         dialect.action_format, "end your reply with one line 'Action: <action>'")
     return StepResult(f"Invalid action: {error}. Please {how}.", 0.0, False, False,
                       {"success": False, "invalid_action": True})
+
+
+def server_index(data_idx: int, dialect: Dialect, url: str | None = None) -> int:
+    """The server's ``data_idx`` for our task index; a refused split raises ``EnvBadRequest`` (``split_refused``)."""
+    if data_idx < 0:
+        raise EnvBadRequest(f"data_idx must be >= 0, got {data_idx}", code="bad_data_idx", url=url)
+    try:
+        return dialect.split.server_index(data_idx)
+    except ValueError as e:
+        raise EnvBadRequest(f"--split test refused: {e}", status=None, code="split_refused", url=url) from e
 
 
 # --- clients ------------------------------------------------------------------------------------------------
@@ -212,6 +333,16 @@ class _AgentGymBase(_Base):
     def _ids(env_id: int) -> dict[str, int]:
         return {"id": env_id, "env_idx": env_id}
 
+    def _reset_done(self, env_id: int, server_idx: int, body: Any, obs: str) -> ResetResult:
+        state = self._state[env_id] = EpisodeState()
+        info = {k: v for k, v in body.items() if k != "observation"} if isinstance(body, dict) else {}
+        if self.dialect.score_scale is not None and "score" in info:  # the running score starts where reset puts it
+            state.score = _num(info["score"])
+        info["success"] = False
+        info["server_data_idx"] = server_idx
+        info.setdefault("category", self.dialect.env)  # per-category eval scores: all an AgentGym reset tells
+        return ResetResult(obs, info, self.instruction)
+
 
 class AgentGymClient(_AgentGymBase, EnvClient):
     """Sync client for an AgentGym env server (``EnvClient``'s transport and retries, the AgentGym dialect)."""
@@ -220,6 +351,10 @@ class AgentGymClient(_AgentGymBase, EnvClient):
         body = self._request("GET", "/", idempotent=True, timeout=self.health_timeout)
         return {"status": "ok", "reply": body}
 
+    def capacity(self) -> int | None:
+        """AgentGym servers advertise no capacity: unbounded (``rollout.max_live_episodes`` caps them)."""
+        return None
+
     def create(self) -> int:
         env_id, _ = decode_create(self._request("POST", "/create", idempotent=False, json={}))
         self._state[env_id] = EpisodeState()
@@ -227,16 +362,13 @@ class AgentGymClient(_AgentGymBase, EnvClient):
 
     def reset(self, env_id: int, data_idx: int) -> ResetResult:
         try:
-            body = self._request("POST", "/reset", idempotent=True, json={**self._ids(env_id), "data_idx": data_idx})
+            idx = server_index(data_idx, self.dialect, self.base_url + "/reset")
+            body = self._request("POST", "/reset", idempotent=True, json={**self._ids(env_id), "data_idx": idx})
             obs = decode_observation("/reset", body)
-        except EnvServerError:
+        except (EnvServerError, EnvBadRequest):
             self._discard(env_id)
             raise
-        self._state[env_id] = EpisodeState()
-        info = {k: v for k, v in body.items() if k != "observation"} if isinstance(body, dict) else {}
-        info.setdefault("success", False)
-        info.setdefault("category", self.dialect.env)  # per-category eval scores: all an AgentGym reset tells
-        return ResetResult(obs, info, self.instruction)
+        return self._reset_done(env_id, idx, body, obs)
 
     def step(self, env_id: int, action: str) -> StepResult:
         act, err = extract_reply_action(action, self.dialect)
@@ -285,6 +417,10 @@ class AsyncAgentGymClient(_AgentGymBase, AsyncEnvClient):
         body = await self._request("GET", "/", idempotent=True, timeout=self.health_timeout)
         return {"status": "ok", "reply": body}
 
+    async def capacity(self) -> int | None:
+        """AgentGym servers advertise no capacity: unbounded (``rollout.max_live_episodes`` caps them)."""
+        return None
+
     async def create(self) -> int:
         env_id, _ = decode_create(await self._request("POST", "/create", idempotent=False, json={}))
         self._state[env_id] = EpisodeState()
@@ -292,17 +428,13 @@ class AsyncAgentGymClient(_AgentGymBase, AsyncEnvClient):
 
     async def reset(self, env_id: int, data_idx: int) -> ResetResult:
         try:
-            body = await self._request("POST", "/reset", idempotent=True,
-                                       json={**self._ids(env_id), "data_idx": data_idx})
+            idx = server_index(data_idx, self.dialect, self.base_url + "/reset")
+            body = await self._request("POST", "/reset", idempotent=True, json={**self._ids(env_id), "data_idx": idx})
             obs = decode_observation("/reset", body)
-        except EnvServerError:
+        except (EnvServerError, EnvBadRequest):
             await self._discard(env_id)
             raise
-        self._state[env_id] = EpisodeState()
-        info = {k: v for k, v in body.items() if k != "observation"} if isinstance(body, dict) else {}
-        info.setdefault("success", False)
-        info.setdefault("category", self.dialect.env)  # per-category eval scores: all an AgentGym reset tells
-        return ResetResult(obs, info, self.instruction)
+        return self._reset_done(env_id, idx, body, obs)
 
     async def step(self, env_id: int, action: str) -> StepResult:
         act, err = extract_reply_action(action, self.dialect)
@@ -353,5 +485,6 @@ def make_async_client(dialect: str, url: str, env: str, timeout_s: float = 60.0)
     raise ValueError(f"unknown env dialect {dialect!r}; expected 'scalinginter' or 'agentgym'")
 
 
-__all__ = ["AgentGymClient", "AsyncAgentGymClient", "DIALECTS", "Dialect", "decode_create", "decode_step",
-           "extract_reply_action", "make_async_client"]
+__all__ = ["AgentGymClient", "AsyncAgentGymClient", "DIALECTS", "Dialect", "SPLITS", "SplitMap", "decode_create",
+           "decode_step", "dialect_for", "extract_reply_action", "make_async_client", "normalize_action", "server_index",
+           "split_map_for"]

@@ -24,6 +24,8 @@ class HttpEpisode:
                 self.env_id = await self.client.create()
             r = await self.client.reset(self.env_id, data_idx)
         except EnvError as e:
+            if e.code == "split_refused":  # the env has no held-out split to give (e.g. an AgentGym server)
+                raise EnvConfigError(str(e)) from e
             if e.code == "bad_data_idx":
                 raise EnvConfigError(f"{e}. The run draws train tasks from [0, env.task_pool): set env.task_pool "
                                      "to at most the env's train split size (--set env.task_pool=N)") from e

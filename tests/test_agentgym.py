@@ -241,3 +241,177 @@ def test_rollout_sessions_mask_agentgym_errors():
     assert ok.reward == 0 and not ok.terminated
     assert done.terminated and done.info["success"] and done.reward == 1.0
     assert id1 != id2
+
+
+# --- against the replay servers (tests/agentgym_replay.py: recordings of the real servers + their shapes) ----
+from envs.agentgym import SPLITS, split_map_for  # noqa: E402
+from envs.base import task_index  # noqa: E402
+from envs.errors import EnvBadRequest  # noqa: E402
+from tasks.rollout import EnvConfigError  # noqa: E402
+from tests.agentgym_replay import babyai_app, load_exchanges, textcraft_app, textcraft_goal  # noqa: E402
+
+
+def test_replay_babyai_serves_the_recorded_exchanges_to_the_adapter():
+    """Test indices 1e6..1e6+3 reach the server as recorded; its observations come back unchanged."""
+    rec = {e["req"]["data_idx"]: e["resp"]["observation"] for e in load_exchanges() if e["path"] == "/reset"}
+    app = babyai_app()
+    with TestClient(app) as tc:
+        c = AgentGymClient("http://testserver", "babyai", http_client=tc)
+        assert c.health()["reply"] == "This is environment BabyAI."
+        for i in range(4):
+            env_id = c.create()
+            r = c.reset(env_id, task_index("test", i))
+            assert r.observation == rec[1_000_000 + i] and r.info["server_data_idx"] == 1_000_000 + i
+            assert c.close(env_id) is True and c.close(env_id) is False
+        assert [k for _, k in app.state.resets] == [1_000_000, 1_000_001, 1_000_002, 1_000_003]
+
+
+def test_reply_without_an_action_line_gets_an_observation_and_no_server_call():
+    """The recorded model replies (one line, no 'Action:') reached the server before; now they do not."""
+    recorded = [e["req"]["action"] for e in load_exchanges() if e["path"] == "/step"]
+    app = babyai_app()
+    with TestClient(app) as tc:
+        c = AgentGymClient("http://testserver", "babyai", http_client=tc)
+        env_id = c.create()
+        c.reset(env_id, task_index("test", 2))
+        for reply in recorded[:3] + ["go to red ball 1", "Action:", "Action: turn left\nAction: turn right"]:
+            r = c.step(env_id, reply)
+            assert r.info["invalid_action"] and not r.done and r.reward == 0
+            assert r.observation.startswith("Invalid action:") and "Action:" in r.observation
+        assert app.state.steps == []
+
+
+def test_actions_are_normalised_as_agentgyms_clients_do_case_kept():
+    wins = {(1_000_002, "go to red ball 1"): 0.8875}
+    app = babyai_app(wins)
+    with TestClient(app) as tc:
+        c = AgentGymClient("http://testserver", "babyai", http_client=tc)
+        env_id = c.create()
+        c.reset(env_id, task_index("test", 2))
+        r = c.step(env_id, 'I see it.\nAction: **"go to red ball 1."**')
+        assert app.state.steps[-1] == (env_id, "go to red ball 1")  # the full stop used to reach the server
+        assert r.terminated and r.info["success"] and r.reward == pytest.approx(0.8875)
+    tapp = textcraft_app()
+    with TestClient(tapp) as tc:
+        c = AgentGymClient("http://testserver", "textcraft", http_client=tc)
+        env_id = c.create()
+        first = c.reset(env_id, 0)
+        assert c.step(env_id, "Action: get 1 sunflower.").observation == "Got 1 sunflower"
+        assert c.step(env_id, "Action: Get 1 Sunflower").observation.startswith("Could not execute")
+        assert c.step(env_id, "Action:\nlook").observation.startswith("Inventory: sunflower")
+        assert [a for _, a in tapp.state.steps] == ["get 1 sunflower", "Get 1 Sunflower", "inventory"]
+        goal = first.observation.rsplit("Goal: craft ", 1)[1].rstrip(".")
+        done = c.step(env_id, f"Thought: craft it.\nAction: craft 1 {goal} using 1 sunflower.")
+        assert done.terminated and done.info["success"] and done.reward == 1.0
+
+
+def _agentgym_return(responses: list[dict]) -> float:
+    """What AgentGym's BabyAI client scores an episode: the ``score`` of its last step."""
+    return float(responses[-1]["score"])
+
+
+@pytest.mark.parametrize("moves,worth,success", [
+    (["turn left", "go to red ball 1"], 0.8875, True),  # a win: done
+    (["turn left", "go to red ball 1", "jump", "turn left"], 0.4, False),  # late win <= 0.5: done un-set, runs on
+    (["jump", "jump"], 0.0, False),
+])
+def test_babyai_rewards_are_read_as_the_server_means_them(moves, worth, success):
+    """``reward`` is the current value, ``score`` the running sum: per-step reward = score change, so the episode
+    return equals what AgentGym's client scores (the last score), and done/success follow the server's done."""
+    app = babyai_app({(1_000_002, "go to red ball 1"): worth} if worth else None)
+    seen = []
+    with TestClient(app) as tc:
+        c = AgentGymClient("http://testserver", "babyai", http_client=tc)
+        env_id = c.create()
+        c.reset(env_id, task_index("test", 2))
+        results = []
+        for m in moves:
+            results.append(c.step(env_id, f"Action: {m}"))
+            seen.append({"score": results[-1].info["score"]})
+        if worth == 0.4:  # the late win is credited on each later step, as the server's score counts it
+            assert [r.reward for r in results] == pytest.approx([0, 0.4, 0.4, 0.0])
+            assert not any(r.done for r in results)
+    assert sum(r.reward for r in results) == pytest.approx(_agentgym_return(seen))
+    assert results[-1].info["success"] is success and results[-1].terminated is success
+
+
+def test_errors_of_the_real_server_mask_the_episode():
+    app = babyai_app({(1_000_003, "go to purple key 1"): 0.9})
+    with TestClient(app) as tc:
+        c = AgentGymClient("http://testserver", "babyai", http_client=tc)
+        with pytest.raises(EnvServerError, match="The id 99 is not valid"):
+            c.step(99, "Action: turn left")
+        env_id = c.create()
+        with pytest.raises(EnvServerError, match=rf"error on /step: {env_id} \["):  # a step before reset
+            c.step(env_id, "Action: turn left")
+        env_id = c.create()
+        c.reset(env_id, task_index("test", 3))
+        assert c.step(env_id, "Action: go to purple key 1").terminated
+        with pytest.raises(EnvServerError, match="has finished") as e:
+            c.step(env_id, "Action: turn left")
+        assert e.value.code == "agentgym_error" and env_id in app.state.closed
+        with pytest.raises(EnvBadRequest, match="data_idx must be >= 0"):
+            c.reset(c.create(), -1)
+
+
+def test_babyai_split_partitions_level_and_seed():
+    app = babyai_app()
+    with TestClient(app) as tc:
+        c = AgentGymClient("http://testserver", "babyai", http_client=tc)
+        env_id = c.create()
+        got = {}
+        for split in ("train", "test"):
+            for i in list(range(80)) + [999_999 - 80 + j for j in range(80)]:
+                c.reset(env_id, task_index(split, i))
+                k = app.state.resets[-1][1]
+                got.setdefault(split, set()).add((k % 40 + 1, k // 40))  # (level, seed) the server builds
+    assert {lvl for lvl, _ in got["train"]} == {lvl for lvl, _ in got["test"]} == set(range(1, 41))
+    assert not got["train"] & got["test"]
+    assert max(s for _, s in got["train"]) < 25_000 <= min(s for _, s in got["test"])
+
+
+def test_textcraft_split_holds_out_goals_training_never_draws():
+    """TextCraft picks goal data_idx % 544: the test indices must land on goals no train index reaches."""
+    app = textcraft_app()
+    with TestClient(app) as tc:
+        c = AgentGymClient("http://testserver", "textcraft", http_client=tc)
+        env_id = c.create()
+        app.state.goals.clear()
+        goals = {}
+        for split, n in (("train", 3 * 436), ("test", 3 * 108)):
+            start = len(app.state.goals)
+            for i in range(n):
+                obs = c.reset(env_id, task_index(split, i)).observation
+                assert obs.endswith(f"Goal: craft {textcraft_goal(app.state.goals[-1])}.")
+            goals[split] = app.state.goals[start:]
+    assert not set(goals["train"]) & set(goals["test"])
+    assert len(set(goals["train"])) == 436 and len(set(goals["test"])) == 108  # every goal in exactly one split
+    assert goals["test"][:108] == goals["test"][108:216]  # i and i + 108 are the same goal: n distinct tasks
+
+
+@pytest.mark.parametrize("env", ["sciworld", "webshop", "alfworld"])
+def test_a_split_without_an_honest_partition_is_refused_with_the_reason(env):
+    app = stand_in("sciworld")
+    with TestClient(app) as tc:
+        c = AgentGymClient("http://testserver", env, http_client=tc)
+        env_id = c.create()
+        assert "count to three" in c.reset(env_id, task_index("train", 7)).observation  # train passes
+        with pytest.raises(EnvBadRequest, match="--split test refused.*--split train") as e:
+            c.reset(env_id, task_index("test", 0))
+        assert e.value.code == "split_refused"
+    assert "refuse_test" not in SPLITS["babyai"].doc and split_map_for(env).refuse_test
+
+
+def test_refused_split_fails_the_rollout_at_once_not_masked():
+    app = stand_in("sciworld")
+
+    async def go():
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver")
+        ep = HttpEpisode(AsyncAgentGymClient("http://testserver", "sciworld", http_client=http))
+        try:
+            await ep.reset(task_index("test", 0))
+        finally:
+            await http.aclose()
+
+    with pytest.raises(EnvConfigError, match="sciworld server lists every variation"):
+        asyncio.run(go())
