@@ -60,43 +60,74 @@ def eval_(
     env: str = typer.Argument(..., help="Environment name."),
     split: str = typer.Option("test", "--split", help="Task split: test (held-out) or train."),
     n: int = typer.Option(16, "--n", min=1, help="Number of tasks."),
-    turn_limit: int = typer.Option(20, "--turn-limit", min=1, help="Max turns per episode."),
+    turn_limit: Optional[int] = typer.Option(None, "--turn-limit", min=1,
+                                             help="Max turns per episode (default: the checkpoint's trained turn "
+                                                  "limit, else 20)."),
+    turn_limits: Optional[str] = typer.Option(None, "--turn-limits",
+                                              help="Turn budget sweep, increasing: e.g. 2,4,8 (one line per budget)."),
+    samples: int = typer.Option(1, "--samples", "-k",
+                                help="K episodes per task: 1 = greedy; K > 1 sampled: Avg@K and Pass@k."),
+    temperature: Optional[float] = typer.Option(None, "--temperature",
+                                                help="Sampling temperature (default 0 for K = 1, 1.0 for K > 1)."),
+    compare_ref: Optional[str] = typer.Option(None, "--compare",
+                                              help="A second checkpoint scored on the same tasks and seeds; "
+                                                   "paired test of CHECKPOINT - OTHER."),
+    seed: int = typer.Option(0, "--seed", help="Base sampling seed (episodes' seeds derive from task and sample)."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the metrics as JSON here."),
-    set_: list[str] = typer.Option([], "--set", "-s", help="Config override key.path=value (e.g. env options)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the results (JSON schema in the "
+                                                                  "README) here."),
+    png: Optional[Path] = typer.Option(None, "--png", help="Plot success vs turn budget with intervals here."),
+    png_categories: bool = typer.Option(False, "--png-categories", help="Also a line per category in the plot."),
+    set_: list[str] = typer.Option([], "--set", "-s", help="Config override key.path=value (e.g. env options; "
+                                                         "env.options overrides the checkpoint's)."),
+    track: bool = typer.Option(True, "--mlflow/--no-mlflow", help="Log the results to MLflow."),
+    run_id: Optional[str] = typer.Option(None, "--run-id", help="Log into this MLflow run instead of a new run."),
+    experiment: str = typer.Option("eval", "--experiment", help="MLflow experiment of a new eval run."),
+    tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri",
+                                               help="MLflow URI (default: $MLFLOW_TRACKING_URI or runs/mlflow.db)."),
 ):
-    """Score a checkpoint on held-out tasks with greedy decoding."""
-    from core.config import ConfigError, build_config
+    """Score a checkpoint on held-out tasks: K samples x turn budgets, per category, with 95% intervals."""
     from envs.base import env_names
+    from flows.config import ConfigError, build_config
 
     if env not in env_names():
         _fail(f"unknown environment {env!r}; available: {', '.join(env_names())}")
     if split not in ("test", "train"):
         _fail(f"--split must be 'test' or 'train', got {split!r}")
+    limits = None
+    if turn_limits is not None:
+        try:
+            limits = [int(x) for x in turn_limits.split(",") if x.strip()]
+        except ValueError:
+            _fail(f"--turn-limits takes increasing integers separated by commas (e.g. 2,4,8), got {turn_limits!r}")
+        if not limits:
+            _fail("--turn-limits is empty: pass e.g. --turn-limits 2,4,8")
+        if turn_limit is not None and turn_limit not in limits:
+            _fail(f"--turn-limit {turn_limit} is not in --turn-limits {turn_limits}: pass one of them")
+    elif turn_limit is not None:
+        limits = [turn_limit]
     try:
         cfg = build_config(env, None, list(set_) + [f"rollout.max_new_tokens={max_new_tokens}"])
     except ConfigError as e:
         _fail(str(e))
-    from flows.evaluate import run_eval
+    given_options = any(o.split("=", 1)[0].strip().startswith("env.options") for o in set_)
+    from core.evalreport import report_text
+    from flows.evaluate import EvalInputError, evaluate, log_eval, plot_sweep, write_json
 
     try:
-        metrics = run_eval(cfg, checkpoint, split=split, n=n, turn_limit=turn_limit)
-    except FileNotFoundError as e:
+        doc = evaluate(cfg, checkpoint, split=split, n=n, samples=samples, turn_limits=limits,
+                       temperature=temperature, seed=seed, compare_ref=compare_ref,
+                       env_options=cfg.env.options if given_options else None, max_new_tokens=max_new_tokens)
+    except EvalInputError as e:
         _fail(str(e))
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"{env} {split} split, n={n}, greedy, {turn_limit} turns")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for k in ("success_rate", "mean_reward", "mean_turns", "episodes", "masked_episodes"):
-        table.add_row(k, f"{metrics[k]:.3f}" if isinstance(metrics[k], float) else str(metrics[k]))
-    Console().print(table)
+    typer.echo(report_text(doc))
     if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps({"checkpoint": checkpoint, "env": env, "split": split, "n": n,
-                                         "turn_limit": turn_limit, **metrics}, indent=2))
-        typer.echo(f"wrote {json_path}")
+        typer.echo(f"wrote {write_json(doc, json_path)}")
+    if png:
+        typer.echo(f"wrote {plot_sweep(doc, png, categories=png_categories)}")
+    if track:
+        rid = log_eval(doc, cfg, run_id=run_id, experiment=experiment, tracking_uri=tracking_uri)
+        typer.echo(f"MLflow run {rid}")
 
 
 @env_app.command("serve")
@@ -202,6 +233,30 @@ def compare(
         _fail(str(e))
     typer.echo(table)
     typer.echo(f"\nlearning curves: {out}")
+
+
+@app.command()
+def view(
+    runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="The runs directory (a run's output_dir)."),
+    tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri",
+                                               help="MLflow store (default: $MLFLOW_TRACKING_URI, else "
+                                                    "<runs-dir>/mlflow.db when it exists)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Interface to listen on (loopback by default)."),
+    port: int = typer.Option(8765, "--port", min=1, max=65535),
+    mlflow_ui: Optional[str] = typer.Option(None, "--mlflow-ui",
+                                            help="MLflow UI base URL for run links (default: the tracking URI "
+                                                 "when it is a server, else http://127.0.0.1:5000)."),
+):
+    """Serve the trajectory viewer: runs, steps, episodes turn by turn and their tokens (http://HOST:PORT/)."""
+    if not runs_dir.is_dir() and not (tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")):
+        _fail(f"runs directory {str(runs_dir)!r} not found: pass --runs-dir DIR (a run's output_dir) or "
+              "--tracking-uri URI")
+    from flows.viewer import serve
+
+    try:
+        serve(runs_dir, tracking_uri, host, port, mlflow_ui)
+    except OSError as e:
+        _fail(f"cannot listen on {host}:{port} ({e}): pick another --port")
 
 
 def main() -> None:

@@ -1,29 +1,339 @@
-"""Evaluation flow: score a checkpoint on a split with greedy decoding."""
+"""Evaluation: score a checkpoint (and optionally a second one, paired) on K samples per task x T turn budgets.
+
+Python API (what ``scalinginter eval``, the training run's before/after and the nightly eval call)::
+
+    from flows.evaluate import evaluate, log_eval, plot_sweep
+    doc = evaluate(cfg, "runs/checkpoints/<run>/phase-3/final", split="test", n=64, samples=4,
+                   turn_limits=[2, 4, 8], temperature=None, seed=0, compare_ref="smollm2-135m")
+    log_eval(doc, cfg)              # an MLflow run in the experiment "eval" (or run_id=... to log into a run)
+    plot_sweep(doc, "sweep.png")    # success vs turn budget with intervals, one line per model
+
+One engine per model: all K x T x n episodes of a model run in one rollout call (``tasks.steps.evaluate_sweep``).
+The episodes' sampling seeds are keyed by (task, sample) only, so both models of a comparison (and every budget)
+see the same tasks with the same seeds. K = 1 is greedy; K > 1 samples at ``temperature`` (default 1.0).
+
+A checkpoint written by a training run is scored on the env options it was trained with (read from its
+``trainer_state.json``) unless ``env_options`` is given; the header says which.
+
+The document (JSON, ``schema`` = "scalinginter.eval/1")::
+
+    {
+      "schema": "scalinginter.eval/1",
+      "header": "babyai test split: 64 tasks x 4 samples (temperature 1.0) x turn budgets 2,4,8; env options ...",
+      "env": "babyai", "split": "test", "task_ids": [1000000, ...], "n_tasks": 64,
+      "samples": 4, "temperature": 1.0, "greedy": false, "turn_limits": [2, 4, 8], "seed": 0, "confidence": 0.95,
+      "max_new_tokens": 64, "token_budget": 2048, "backend": "vllm",
+      "env_options": {...}, "env_options_source": "checkpoint" | "given" | "defaults",
+      "models": {
+        "model":   {"ref": "<CHECKPOINT>", "engine": {"rollout_time_s": ..., "generated_tokens": ...},
+                    "budgets": {"<T>": BUDGET, ...}},
+        "compare": {...same, for --compare...}
+      },
+      "comparison": {"a": "model", "b": "compare",
+                     "budgets": {"<T>": {"turn_limit": T, "overall": PAIRED, "categories": {"<cat>": PAIRED}}}}
+    }
+    BUDGET = {"turn_limit": T, "overall": CELL, "categories": {"<category>": CELL, ...},
+              "per_task": [{"task_id", "category", "successes": [1, 0, null, ...] (K entries, null = masked),
+                            "rewards": [...], "turns": [...]}]}
+    CELL   = {"tasks", "episodes", "masked_episodes", "mean_reward", "mean_turns",
+              "avg": RATE (Avg@K; for K = 1 the greedy success rate),
+              "pass": {"1": RATE, "2": RATE, ..., "<K>": RATE}  (each also with "tasks")}
+    RATE   = {"value": v, "ci": [low, high], "method": "wilson" (K = 1) | "bootstrap"}   (value null: no task)
+    PAIRED = {"tasks", "a", "b", "diff" (a - b), "ci": [low, high] (paired bootstrap), "p_value",
+              "test": "mcnemar_exact" (greedy) | "paired_bootstrap",
+              greedy only: "a_better", "b_better" (discordant tasks), "p_a_worse" (one-sided)}
+
+Categories are what each env reports at reset (``info["category"]``: BabyAI level, TextCraft depth, ...); the
+category cells' ``tasks`` sum to the overall ``tasks``.
+"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 from prefect import flow
 
 from core.config import RunConfig
+from core.evalreport import Outcome, build_document, check_sweep, flat_metrics, model_report, report_text
 from envs.base import task_index
-from tasks import steps as T
 
 
-def run_eval(cfg: RunConfig, checkpoint: str, split: str = "test", n: int = 16, turn_limit: int = 20) -> dict:
-    from flows.scalinginter import local_model_dir
+class EvalInputError(ValueError):
+    """Bad evaluation input; the message says how to fix it (one line)."""
+
+
+def check_ref(ref: str, what: str = "checkpoint") -> None:
+    """A model reference must be an embedded model, an s3:// URI or a local checkpoint / HF folder."""
     from tasks.backends.model import EMBEDDED
     from tasks.checkpoint_store import is_s3_uri
 
-    if not (checkpoint in EMBEDDED or is_s3_uri(checkpoint) or Path(checkpoint).exists()):
-        raise FileNotFoundError(f"checkpoint {checkpoint!r} not found (a local checkpoint dir, s3:// URI, "
-                                f"or one of {', '.join(EMBEDDED)})")
-    return evaluate_checkpoint(cfg, checkpoint, split, n, turn_limit, local_model_dir(cfg, checkpoint))
+    if ref in EMBEDDED or is_s3_uri(ref):
+        return
+    p = Path(ref).expanduser()
+    if not p.exists():
+        raise EvalInputError(f"{what} {ref!r} not found: pass a checkpoint folder (runs/checkpoints/<run>/phase-<k>/"
+                             f"final), an s3:// URI or one of {', '.join(EMBEDDED)}")
+    if not p.is_dir() or not ((p / "manifest.json").exists() or (p / "config.json").exists()):
+        raise EvalInputError(f"{what} {ref!r} is not a checkpoint (no manifest.json or config.json in it): pass a "
+                             f"phase's final/ or step-*/ folder, or a Hugging Face model folder")
+
+
+def trained_config(model_dir: str | Path) -> tuple[RunConfig | None, dict[str, Any]]:
+    """The training run's config stored in a checkpoint's trainer_state.json (None: not a training checkpoint,
+    or a config of an older version that no longer validates) and the trainer state."""
+    from pydantic import ValidationError
+
+    path = Path(model_dir) / "trainer_state.json"
+    state = json.loads(path.read_text()) if path.exists() else {}
+    if state.get("config"):
+        try:
+            return RunConfig.model_validate(state["config"]), state
+        except ValidationError as e:
+            print(f"the checkpoint's training config does not validate any more ({e.error_count()} errors); "
+                  "using the given env options")
+    return None, state
+
+
+def _context_length(model_dir: str) -> int | None:
+    p = Path(model_dir) / "config.json"
+    if not p.exists():
+        return None
+    c = json.loads(p.read_text())
+    c = c.get("text_config", c)
+    v = c.get("max_position_embeddings")
+    return int(v) if v else None
+
+
+def _same_tokenizer(dir_a: str, dir_b: str) -> tuple[bool, str]:
+    from transformers import AutoTokenizer
+
+    ta, tb = AutoTokenizer.from_pretrained(dir_a), AutoTokenizer.from_pretrained(dir_b)
+    if ta.get_vocab() != tb.get_vocab():
+        return False, f"vocabularies differ ({len(ta.get_vocab())} vs {len(tb.get_vocab())} tokens)"
+    if getattr(ta, "chat_template", None) != getattr(tb, "chat_template", None):
+        return False, "chat templates differ"
+    return True, ""
 
 
 @flow(name="evaluate", log_prints=True)
-def evaluate_checkpoint(config: RunConfig, checkpoint: str, split: str, n: int, turn_limit: int,
-                        model_dir: str) -> dict:
-    ids = [task_index(split, i) for i in range(n)]
-    return T.score_model(config, model_dir, ids, turn_limit, config.rollout.max_new_tokens)
+def evaluate_models(config: RunConfig, model_dirs: dict[str, str], task_ids: list[int], turn_limits: list[int],
+                    samples: int, temperature: float, max_new_tokens: int, seed: int) -> dict[str, Any]:
+    """Score each model (one engine each) on every task x budget x sample in one rollout call."""
+    from tasks import steps as T
+
+    out = {}
+    for name, d in model_dirs.items():
+        print(f"evaluating {name} ({d}): {len(task_ids)} tasks x {samples} samples x budgets "
+              f"{','.join(map(str, turn_limits))} = {len(task_ids) * samples * len(turn_limits)} episodes")
+        out[name] = T.score_sweep(config, d, task_ids, turn_limits, samples, temperature, max_new_tokens, seed)
+    return out
+
+
+def evaluate(cfg: RunConfig, checkpoint_ref: str, split: str = "test", n: int = 64, samples: int = 1,
+             turn_limits: list[int] | tuple[int, ...] | None = None, temperature: float | None = None, seed: int = 0,
+             compare_ref: str | None = None, env_options: dict[str, Any] | None = None,
+             max_new_tokens: int | None = None, confidence: float = 0.95,
+             task_ids: list[int] | None = None) -> dict[str, Any]:
+    """Evaluate ``checkpoint_ref`` (and ``compare_ref`` on the same tasks and seeds); returns the JSON document
+    described in this module's docstring. ``turn_limits`` None: the checkpoint's trained turn limit, else
+    ``cfg.eval_turn_limit``. ``env_options`` None: the checkpoint's training env options if it has
+    them, else ``cfg.env.options``. ``task_ids`` overrides ``split``/``n`` (the first n indices of the split).
+    Raises ``EvalInputError`` (one line, with the fix) on bad input."""
+    from flows.scalinginter import local_model_dir
+    from tasks.steps import MAX_EVAL_SAMPLES
+
+    def sweep_ok(limits: list[int]) -> None:
+        try:
+            check_sweep(samples, limits)
+        except ValueError as e:
+            raise EvalInputError(str(e)) from None
+
+    if turn_limits is not None:
+        turn_limits = [int(t) for t in turn_limits]
+        sweep_ok(turn_limits)
+    elif samples < 1:
+        sweep_ok([1])
+    if samples > MAX_EVAL_SAMPLES:
+        raise EvalInputError(f"--samples {samples} is more than {MAX_EVAL_SAMPLES}: lower it")
+    if split not in ("test", "train"):
+        raise EvalInputError(f"split must be 'test' or 'train', got {split!r}")
+    if n < 1:
+        raise EvalInputError(f"n must be >= 1 task, got {n}")
+    if not 0 < confidence < 1:
+        raise EvalInputError(f"confidence must be in (0, 1), got {confidence}")
+    if temperature is None:
+        temperature = 0.0 if samples == 1 else 1.0
+    if temperature < 0:
+        raise EvalInputError(f"temperature must be >= 0, got {temperature}")
+    if samples > 1 and temperature == 0:
+        raise EvalInputError(f"--samples {samples} with temperature 0 scores {samples} identical greedy episodes: "
+                             "pass --temperature > 0 (e.g. 1.0) or --samples 1")
+    check_ref(checkpoint_ref)
+    if compare_ref is not None:
+        check_ref(compare_ref, "--compare checkpoint")
+    max_new = int(max_new_tokens or cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens)
+
+    model_dirs = {"model": local_model_dir(cfg, checkpoint_ref)}
+    if compare_ref is not None:
+        model_dirs["compare"] = local_model_dir(cfg, compare_ref)
+        ok, why = _same_tokenizer(model_dirs["model"], model_dirs["compare"])
+        if not ok:
+            raise EvalInputError(f"--compare {compare_ref!r} uses a different tokenizer than {checkpoint_ref!r} "
+                                 f"({why}): compare checkpoints of the same base model")
+    trained, state = trained_config(model_dirs["model"])
+    if turn_limits is None:
+        turn_limits = [int(state.get("turn_limit") or cfg.eval_turn_limit)]
+        sweep_ok(turn_limits)
+    for name, d in model_dirs.items():
+        ctx = _context_length(d)
+        need = max(turn_limits) * max_new
+        if ctx is not None and need > ctx:
+            raise EvalInputError(f"turn budget {max(turn_limits)} x {max_new} new tokens per turn = {need} tokens is "
+                                 f"beyond the context of {name} ({ctx} tokens): lower --turn-limits or "
+                                 "--max-new-tokens")
+
+    if env_options is not None:
+        options, source = dict(env_options), "given"
+    elif trained is not None and trained.env.name == cfg.env.name:
+        options, source = dict(trained.env.options), "checkpoint"
+    else:
+        options, source = dict(cfg.env.options), "defaults"
+    cfg = cfg.model_copy(update={"env": cfg.env.model_copy(update={"options": options})})
+
+    ids = list(task_ids) if task_ids is not None else [task_index(split, i) for i in range(n)]
+    greedy = samples == 1 and temperature == 0
+    where = {"checkpoint": "as trained (from the checkpoint's config)", "given": "as given",
+             "defaults": "the env's defaults"}[source]
+    header = (f"{cfg.env.name} {split} split: {len(ids)} tasks x {samples} sample{'s' if samples > 1 else ''} "
+              f"({'greedy' if greedy else f'temperature {temperature:g}'}) x turn budgets "
+              f"{','.join(map(str, turn_limits))}, {max_new} new tokens per turn; env options "
+              f"{json.dumps(options, sort_keys=True) if options else '{}'} ({where})")
+    if max(turn_limits) * max_new > cfg.rollout.token_budget:
+        header += (f"\nnote: episodes at the largest budgets may end at the token budget "
+                   f"(rollout.token_budget={cfg.rollout.token_budget}); raise it with --set rollout.token_budget=N")
+    print(header)
+    sweeps = evaluate_models(cfg, model_dirs, ids, turn_limits, samples, float(temperature), max_new, seed)
+
+    refs = {"model": checkpoint_ref, "compare": compare_ref}
+    models = {}
+    for name, sw in sweeps.items():
+        outs = [Outcome(o["task_id"], o["turn_limit"], o["sample"], o["success"], o["reward"], o["turns"],
+                        o["category"]) for o in sw["outcomes"]]
+        models[name] = (refs[name], model_report(outs, ids, turn_limits, samples, confidence, seed))
+    meta = {"header": header, "env": cfg.env.name, "split": split if task_ids is None else "given",
+            "task_ids": ids, "n_tasks": len(ids), "temperature": float(temperature), "greedy": greedy,
+            "max_new_tokens": max_new, "token_budget": cfg.rollout.token_budget, "backend": cfg.rollout.backend,
+            "env_options": options, "env_options_source": source}
+    doc = build_document(meta, models, samples, turn_limits, confidence, seed,
+                         compare=("model", "compare") if compare_ref is not None else None)
+    for name, sw in sweeps.items():
+        doc["models"][name]["engine"] = sw["stats"]
+    return doc
+
+
+def write_json(doc: dict[str, Any], path: str | Path) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(doc, indent=2, allow_nan=False))
+    return p
+
+
+def log_eval(doc: dict[str, Any], cfg: RunConfig, run_id: str | None = None, experiment: str = "eval",
+             tracking_uri: str | None = None, prefix: str | None = None) -> str:
+    """Log an evaluation to MLflow: a new run in ``experiment`` (named after the env and checkpoint), or into
+    ``run_id``. Metrics per model and budget at step = turn budget (``<model>/avg``, ``.../avg_ci_low|high``,
+    ``.../pass_at_<k>``, ``compare/diff``, ``compare/p_value``) so MLflow draws the budget sweep; the flat numbers
+    of the model at its largest budget (``success_rate``, ...); the document as ``eval/eval.json``. Returns the
+    run id."""
+    from tasks.tracking import Tracker, default_tracking_uri
+
+    uri = default_tracking_uri(cfg.output_dir, tracking_uri or cfg.tracking.uri)
+    tracker = Tracker(uri, experiment, artifact_root=Path(cfg.output_dir).resolve() / "mlartifacts")
+    own = run_id is None
+    pre = prefix if prefix is not None else ("" if own else "eval/")
+    if own:
+        name = Path(str(doc["models"]["model"]["ref"]).rstrip("/")).name or "model"
+        run_id = tracker.start_run(f"eval-{doc['env']}-{name}", resume=False, params={
+            "env": doc["env"], "split": doc["split"], "n_tasks": doc["n_tasks"], "samples": doc["samples"],
+            "temperature": doc["temperature"], "turn_limits": ",".join(map(str, doc["turn_limits"])),
+            "seed": doc["seed"], "checkpoint": doc["models"]["model"]["ref"],
+            "compare": (doc["models"].get("compare") or {}).get("ref"), "env_options_source": doc["env_options_source"]},
+            tags={"env": doc["env"], "scalinginter.eval": "true"})
+    for name, m in doc["models"].items():
+        for key, b in m["budgets"].items():
+            c = b["overall"]
+            ms = {f"{pre}{name}/avg": c["avg"]["value"], f"{pre}{name}/mean_reward": c["mean_reward"],
+                  f"{pre}{name}/mean_turns": c["mean_turns"]}
+            if c["avg"]["ci"]:
+                ms[f"{pre}{name}/avg_ci_low"], ms[f"{pre}{name}/avg_ci_high"] = c["avg"]["ci"]
+            ms.update({f"{pre}{name}/pass_at_{k}": v["value"] for k, v in c["pass"].items()})
+            tracker.log_metrics(run_id, ms, step=int(key))
+    for key, b in (doc.get("comparison") or {}).get("budgets", {}).items():
+        o = b["overall"]
+        tracker.log_metrics(run_id, {f"{pre}compare/diff": o["diff"], f"{pre}compare/p_value": o["p_value"]},
+                            step=int(key))
+    tracker.log_metrics(run_id, {f"{pre}{k}": v for k, v in flat_metrics(doc).items()}, step=0)
+    tracker.log_text(run_id, json.dumps(doc, indent=2, allow_nan=False), f"{pre or 'eval/'}eval.json")
+    if own:
+        tracker.end_run(run_id, "FINISHED")
+    return run_id
+
+
+def plot_sweep(doc: dict[str, Any], path: str | Path, categories: bool = False) -> Path:
+    """Success (Avg@K) vs turn budget with confidence-interval error bars: one line per model (and, with
+    ``categories``, a dashed line per model and category)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    K = doc["samples"]
+    span = (max(doc["turn_limits"]) - min(doc["turn_limits"])) or 1
+    for i, (name, m) in enumerate(doc["models"].items()):
+        dodge = (i - (len(doc["models"]) - 1) / 2) * 0.015 * span  # models side by side, bars not on top
+        rows = [("", lambda b: b["overall"], "-o")]
+        if categories:
+            cats = sorted({c for b in m["budgets"].values() for c in b["categories"]})
+            rows += [(f" {c}", (lambda c: lambda b: b["categories"].get(c))(c), "--.") for c in cats]
+        for suffix, get, style in rows:
+            xs, ys, lo, hi = [], [], [], []
+            for b in m["budgets"].values():
+                c = get(b)
+                if c is None or c["avg"]["value"] is None:
+                    continue
+                v, (l, h) = c["avg"]["value"], c["avg"]["ci"]
+                xs.append(b["turn_limit"] + dodge), ys.append(v), lo.append(v - l), hi.append(h - v)
+            if xs:
+                ref = "/".join(Path(str(m["ref"]).rstrip("/")).parts[-2:])
+                ax.errorbar(xs, ys, yerr=[lo, hi], fmt=style, capsize=3, label=f"{name} ({ref}){suffix}")
+    ax.set_xlabel("turn budget")
+    ax.set_ylabel("success (greedy)" if K == 1 else f"Avg@{K}")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xticks(doc["turn_limits"])
+    ax.set_title(f"{doc['env']} {doc['split']}: {doc['n_tasks']} tasks, {int(doc['confidence'] * 100)}% CI",
+                 fontsize=10)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def run_eval(cfg: RunConfig, checkpoint: str, split: str = "test", n: int = 16, turn_limit: int = 20) -> dict:
+    """The old single-budget greedy entry point: flat metrics (success_rate, ...) of ``evaluate``."""
+    try:
+        doc = evaluate(cfg, checkpoint, split=split, n=n, turn_limits=[turn_limit])
+    except EvalInputError as e:
+        if "not found" in str(e):
+            raise FileNotFoundError(str(e)) from None
+        raise
+    return flat_metrics(doc)
+
+
+__all__ = ["EvalInputError", "evaluate", "evaluate_models", "log_eval", "plot_sweep", "report_text", "run_eval",
+           "trained_config", "write_json"]

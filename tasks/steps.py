@@ -180,33 +180,60 @@ def eval_tasks(n: int) -> list[int]:
 
 
 # --- rollout -------------------------------------------------------------------------------------------
+async def live_cap(clients: list[Any], configured: int | None) -> tuple[list[int | None], int | None]:
+    """(each server's capacity, the rollout's cap on live episodes): ``core.capacity.live_episode_cap`` over what
+    the servers advertise on ``/health`` (None: unbounded, e.g. an AgentGym server or one that does not answer)."""
+    from core.capacity import live_episode_cap
+
+    async def one(c) -> int | None:
+        try:
+            return await c.capacity()
+        except Exception as e:  # noqa: BLE001 - an unreachable server masks its episodes anyway
+            print(f"env server {c.base_url}: capacity unknown ({type(e).__name__}: {e}); treating it as unbounded")
+            return None
+
+    caps = list(await asyncio.gather(*(one(c) for c in clients)))
+    return caps, live_episode_cap(configured, caps)
+
+
 def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, turn_limit: int,
              temperature: float, max_new_tokens: int, label: str,
-             seed: int | None = None) -> tuple[list[Trajectory], dict[str, float]]:
+             seed: int | None = None, specs: list[Any] | None = None) -> tuple[list[Trajectory], dict[str, float]]:
     from envs.agentgym import make_async_client
     from tasks.backends.generation import SamplingParams
-    from tasks.env_sessions import HttpEpisode
+    from tasks.env_sessions import PooledEpisode, ServerSlots
     from tasks.rollout import EpisodeSpec, run_rollout_retrying
 
-    specs = [EpisodeSpec(task_id=t, group_id=g) for g, t in enumerate(task_ids) for _ in range(samples)]
+    if specs is None:  # else: the caller's episodes (an eval sweep: each with its own turn budget and seed key)
+        specs = [EpisodeSpec(task_id=t, group_id=g) for g, t in enumerate(task_ids) for _ in range(samples)]
     params = SamplingParams(max_new_tokens, temperature, s.cfg.rollout.top_p)
 
     async def go():
         clients = [make_async_client(s.cfg.env.dialect, u, s.cfg.env.name, s.cfg.env.request_timeout_s) for u in urls]
         try:
+            # the servers' capacities (pool sizes; AgentGym servers advertise none) cap the live episodes
+            caps, cap = await live_cap(clients, s.cfg.rollout.max_live_episodes)
+            slots = ServerSlots(clients, caps)
+
             def make(i):
-                return HttpEpisode(clients[i % len(clients)])
+                return PooledEpisode(slots)
+
+            if cap is not None and cap < len(specs):
+                print(f"  [{label}] {len(specs)} episodes, at most {cap} live at once (env capacity "
+                      f"{' + '.join('unbounded' if c is None else str(c) for c in caps)}"
+                      f"{'' if s.cfg.rollout.max_live_episodes is None else f', rollout.max_live_episodes {s.cfg.rollout.max_live_episodes}'}): "
+                      f"{len(specs) - cap} wait for a free slot", flush=True)
 
             def on_round(rnd, live, st):
-                print(f"  [{label}] turn {rnd}/{turn_limit}: {live} episodes still running, "
+                wait = f", {st.waiting} waiting for env capacity (at most {st.live_cap} live)" if st.waiting else ""
+                print(f"  [{label}] turn {rnd}/{turn_limit}: {live} episodes still running{wait}, "
                       f"{st.generated_tokens} tokens generated ({st.tokens_per_s:.0f} tok/s)", flush=True)
 
             async def heal() -> int:  # a dead server is replaced on its port; its masked episodes run again
                 return await asyncio.to_thread(_replace_dead_servers, s)
 
             return await run_rollout_retrying(specs, make, s.backend, s.chat, params, turn_limit,
-                                              s.cfg.rollout.token_budget, on_round, seed,
-                                              s.cfg.rollout.max_live_episodes, heal=heal,
+                                              s.cfg.rollout.token_budget, on_round, seed, cap, heal=heal,
                                               retries=s.cfg.rollout.env_retries)
         finally:
             for c in clients:
@@ -254,6 +281,8 @@ def compute_advantages(key: str) -> dict[str, float]:
         a.estimator, params, trajs,
         values=s.learner.per_token(trajs, s.prepared, "values") if spec.needs_critic else None,
         kl=s.learner.per_token(trajs, s.prepared, "kl") if spec.kl_in_reward else None)
+    for t, adv in zip(trajs, s.advantages):  # kept with the episode: the rollout Parquet stores what was trained on
+        t.info["advantages"] = adv
     return stats
 
 
@@ -289,6 +318,47 @@ def score_model(cfg: RunConfig, model_dir: str, task_ids: list[int], turn_limit:
         close_session(key)
 
 
+MAX_EVAL_SAMPLES = 4096  # an episode's seed key is task_id * MAX_EVAL_SAMPLES + sample
+
+
+@task(name="evaluate-sweep", **TASK_OPTS)
+def evaluate_sweep(key: str, urls: list[str], task_ids: list[int], turn_limits: list[int], samples: int,
+                   temperature: float, max_new_tokens: int, seed: int) -> dict[str, Any]:
+    """Every task at every turn budget, ``samples`` times (greedy when ``temperature`` is 0), in ONE rollout call
+    on the session's engine. Each episode samples with seeds keyed by (task, sample) only, so the same task and
+    sample draw the same seeds at every budget, for every model and whatever else is in the batch (engines with
+    per-prompt seeds: vLLM; transformers draws from torch's RNG, seeded here). Returns ``{"outcomes": [{task_id,
+    turn_limit, sample, success (None = masked), reward, turns, category, finish_reason}], "stats": {...}}``."""
+    import torch
+
+    from tasks.rollout import EpisodeSpec
+
+    s = get_session(key)
+    specs = [EpisodeSpec(task_id=t, group_id=g, turn_limit=b, seed_key=t * MAX_EVAL_SAMPLES + k)
+             for b in turn_limits for g, t in enumerate(task_ids) for k in range(samples)]
+    torch.manual_seed(seed)
+    trajs, m = _rollout(s, urls, task_ids, samples, max(turn_limits), temperature, max_new_tokens, "eval",
+                        seed=seed, specs=specs)
+    outcomes = [{"task_id": sp.task_id, "turn_limit": sp.turn_limit, "sample": sp.seed_key - sp.task_id * MAX_EVAL_SAMPLES,
+                 "success": None if t.masked else bool(t.success), "reward": t.reward, "turns": t.turns,
+                 "category": t.info.get("category"), "finish_reason": t.finish_reason}
+                for sp, t in zip(specs, trajs)]
+    stats = {k: m[k] for k in ("rollout_time_s", "generated_tokens", "gen_tokens_per_s", "env_steps_per_s",
+                               "retried_episodes", "env_servers_replaced") if k in m}
+    return {"outcomes": outcomes, "stats": stats}
+
+
+def score_sweep(cfg: RunConfig, model_dir: str, task_ids: list[int], turn_limits: list[int], samples: int,
+                temperature: float, max_new_tokens: int, seed: int) -> dict[str, Any]:
+    """Load a model (no learner) and one engine, spawn env servers, ``evaluate_sweep``, tear everything down."""
+    key = open_session(cfg, model_dir, train=False)
+    try:
+        urls = spawn_env_servers(key)
+        return evaluate_sweep(key, urls, task_ids, turn_limits, samples, temperature, max_new_tokens, seed)
+    finally:
+        close_session(key)
+
+
 # --- checkpoints ---------------------------------------------------------------------------------------
 @task(name="checkpoint", retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
 def save_step_checkpoint(key: str, uri: str, trainer_state: dict[str, Any], latest_of: str | None = None) -> str:
@@ -316,11 +386,23 @@ def trajectories_text(trajs: list[Trajectory], k: int) -> str:
     return json.dumps(rows, indent=2)
 
 
+ROLLOUT_ROW_GROUP = 32  # episodes per Parquet row group: the trajectory viewer reads one group to show an episode
+
+
 def write_rollout_parquet(trajs: list[Trajectory], path: Path, phase: int, step: int) -> None:
+    """One row per episode. Besides the token-exact fields, what the trajectory viewer shows: the episode's
+    category, return and turn limit, the token offsets of the turns (``prompt_len``, ``action_ends``), the text of
+    every turn (first observation, replies, observations), the env's parsed action per turn and whether it was
+    invalid, and the per-token advantage the update used (null where the step computed none). Readers must accept
+    files without these columns (written before they existed)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    def info(key: str, default: Any = None) -> list[Any]:
+        return [t.info.get(key, default) for t in trajs]
+
     path.parent.mkdir(parents=True, exist_ok=True)
+    ints, strs = pa.list_(pa.int32()), pa.list_(pa.string())
     table = pa.table({
         "task_id": [t.task_id for t in trajs], "group_id": [t.group_id for t in trajs],
         "turns": [t.turns for t in trajs], "token_ids": [t.token_ids for t in trajs],
@@ -328,8 +410,21 @@ def write_rollout_parquet(trajs: list[Trajectory], path: Path, phase: int, step:
         "turn_rewards": [t.turn_rewards for t in trajs], "finish_reason": [t.finish_reason for t in trajs],
         "success": [t.success for t in trajs], "masked": [t.masked for t in trajs],
         "phase": [phase] * len(trajs), "step": [step] * len(trajs),
+        "category": pa.array([None if c is None else str(c) for c in info("category")], pa.string()),
+        "reward": pa.array([t.reward for t in trajs], pa.float64()),
+        "turn_limit": pa.array(info("turn_limit"), pa.int32()),
+        "env_truncated": pa.array([bool(x) for x in info("env_truncated", False)], pa.bool_()),
+        "error": pa.array([t.error for t in trajs], pa.string()),
+        "prompt_len": pa.array([t.prompt_len for t in trajs], pa.int32()),
+        "action_ends": pa.array([t.action_ends for t in trajs], ints),
+        "first_observation": pa.array(info("first_observation"), pa.string()),
+        "replies": pa.array(info("replies"), strs),
+        "observations": pa.array(info("observations"), strs),
+        "actions": pa.array(info("actions"), strs),
+        "invalid_actions": pa.array(info("invalid_actions"), pa.list_(pa.bool_())),
+        "advantages": pa.array(info("advantages"), pa.list_(pa.float32())),
     })
     tmp = path.with_suffix(".tmp")
-    pq.write_table(table, tmp)
+    pq.write_table(table, tmp, row_group_size=ROLLOUT_ROW_GROUP)
     os.replace(tmp, path)
 
