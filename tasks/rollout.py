@@ -206,6 +206,9 @@ async def run_rollout(
                 continue
             tr.set_turn_reward(r.reward)
             tr.info.setdefault("observations", []).append(r.observation)
+            act = r.info.get("action")  # the env's parsed action, per turn (the trajectory viewer highlights it)
+            tr.info.setdefault("actions", []).append(act if isinstance(act, str) else None)
+            tr.info.setdefault("invalid_actions", []).append(bool(r.info.get("invalid_action", False)))
             if isinstance(r.info.get("episode_metrics"), dict):  # e.g. SciWorld's score, deep search's F1
                 tr.info["episode_metrics"] = {k: float(v) for k, v in r.info["episode_metrics"].items()}
             success = bool(r.info.get("success", False))
