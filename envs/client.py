@@ -16,6 +16,7 @@ a timeout, so a dead server gives ``EnvUnavailable`` quickly instead of a hang.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -29,13 +30,26 @@ from envs.errors import (
     EnvError,
     EnvServerError,
     EnvUnavailable,
+    TaskIndexError,
     TooManyEnvs,
     UnknownEnvId,
 )
 
+TOKEN_ENV = "SCALINGINTER_ENV_TOKEN"  # the env servers' shared token (envs.server reads the same variable)
+
 _RETRY_STATUSES = (502, 503, 504)
 # never reached the server: always safe to retry
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+
+def capacity_from_health(health: Any) -> int | None:
+    """How many episodes a server runs at once, from its ``/health``: the smaller of its ``capacity`` (the env's
+    pool size; null for envs without a pool) and its ``max_envs``; None when it states neither (unbounded)."""
+    if not isinstance(health, dict):
+        return None
+    caps = [health.get(k) for k in ("capacity", "max_envs")]
+    caps = [int(c) for c in caps if isinstance(c, (int, float)) and not isinstance(c, bool) and c >= 1]
+    return min(caps) if caps else None
 
 
 @dataclass
@@ -56,8 +70,11 @@ class _Base:
         retries: int = 3,
         backoff_s: float = 0.1,
         max_backoff_s: float = 2.0,
+        token: str | None = None,
     ):
         self.base_url = base_url.rstrip("/")
+        token = token if token is not None else os.environ.get(TOKEN_ENV)
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self.health_timeout = httpx.Timeout(health_timeout_s, connect=min(connect_timeout_s, health_timeout_s))
         self.retries = max(0, int(retries))
@@ -66,7 +83,8 @@ class _Base:
 
     def _kw(self, timeout) -> dict[str, Any]:
         # a caller-supplied http_client keeps its own timeouts (FastAPI's TestClient rejects per-request ones)
-        return {"timeout": timeout or self.timeout} if self._owns else {}
+        kw: dict[str, Any] = {"headers": self._headers} if self._headers else {}
+        return {**kw, "timeout": timeout or self.timeout} if self._owns else kw
 
     def _delay(self, attempt: int) -> float:
         return min(self.max_backoff_s, self.backoff_s * (2**attempt)) * (0.75 + 0.5 * random.random())
@@ -118,6 +136,8 @@ class _Base:
             raise UnknownEnvId(msg, **kw)
         if status == 429:
             raise TooManyEnvs(msg, **kw)
+        if status == 400 and code == "bad_data_idx":
+            raise TaskIndexError(msg, **kw)
         if status in _RETRY_STATUSES:
             raise EnvUnavailable(msg, maybe_applied=not idempotent, **kw)
         if 400 <= status < 500:
@@ -168,8 +188,12 @@ class EnvClient(_Base):
     def health(self) -> dict[str, Any]:
         return self._request("GET", "/health", idempotent=True, timeout=self.health_timeout)
 
+    def capacity(self) -> int | None:
+        """Episodes the server runs at once (``capacity_from_health``); None: unbounded."""
+        return capacity_from_health(self.health())
+
     def create(self) -> int:
-        return int(self._request("POST", "/create", idempotent=False)["id"])
+        return int(self._request("POST", "/create", idempotent=False, json={})["id"])
 
     def reset(self, env_id: int, data_idx: int) -> ResetResult:
         d = self._request("POST", "/reset", idempotent=True, json={"id": env_id, "data_idx": data_idx})
@@ -241,8 +265,12 @@ class AsyncEnvClient(_Base):
     async def health(self) -> dict[str, Any]:
         return await self._request("GET", "/health", idempotent=True, timeout=self.health_timeout)
 
+    async def capacity(self) -> int | None:
+        """Episodes the server runs at once (``capacity_from_health``); None: unbounded."""
+        return capacity_from_health(await self.health())
+
     async def create(self) -> int:
-        return int((await self._request("POST", "/create", idempotent=False))["id"])
+        return int((await self._request("POST", "/create", idempotent=False, json={}))["id"])
 
     async def reset(self, env_id: int, data_idx: int) -> ResetResult:
         d = await self._request("POST", "/reset", idempotent=True, json={"id": env_id, "data_idx": data_idx})
@@ -313,4 +341,4 @@ class RemoteEnv:
                 pass  # the server reaps what it cannot be told to close
 
 
-__all__ = ["AsyncEnvClient", "EnvClient", "RemoteEnv", "ResetResult"]
+__all__ = ["AsyncEnvClient", "EnvClient", "RemoteEnv", "ResetResult", "capacity_from_health"]

@@ -56,3 +56,16 @@ class EnvServerError(EnvError):
 
 class EnvServerStartError(EnvError):
     """An env server subprocess failed to start or to become healthy in time (message holds its log tail)."""
+
+
+class TaskIndexError(EnvBadRequest, ValueError):
+    """A task index (``data_idx``) outside the env's task space: the run's configuration is wrong, not the env.
+
+    Envs raise it from ``reset`` for an index past a split (it is a ``ValueError``, so in-process callers that
+    catch ``ValueError`` keep working); the server answers 400 ``bad_data_idx``, and the client raises it again
+    from that answer. Any other exception in ``reset`` is an env failure (500): the episode is masked.
+    """
+
+    def __init__(self, message: str, **kw):
+        kw.setdefault("code", "bad_data_idx")
+        super().__init__(message, **kw)

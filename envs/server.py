@@ -3,7 +3,8 @@
 Endpoints (``env_idx`` is accepted everywhere as an alias of ``id``, the AgentGym WebArena/SearchQA dialect):
 
 =======================  ====================================  ==================================================
-``GET  /health``         -                                     ``{"status": "ok", "env", "live_envs", ...}``
+``GET  /health``         -                                     ``{"status": "ok", "env", "live_envs", "capacity",
+                                                               "max_envs", ...}`` (capacity: the env's pool size)
 ``POST /create``         optional body, ignored                ``{"id": n}``  (ids are never reused)
 ``POST /reset``          ``{"id", "data_idx"}``                ``{"observation", "reward", "done", "terminated",
                                                                "truncated", "info", "instruction"}``
@@ -31,6 +32,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
+import ipaddress
 import json
 import logging
 import math
@@ -47,14 +50,18 @@ import anyio
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from envs.base import TextEnv, env_names, make_env
+from envs.base import TEST_OFFSET, TextEnv, env_names, make_env
+from envs.errors import TaskIndexError
 
 log = logging.getLogger("envs.server")
 
 _CLOSED_HISTORY = 100_000  # how many closed ids remember *why* they are gone (all closed ids stay unusable)
+MAX_ACTION_CHARS = 131_072  # a /step action longer than this is refused (422 action_too_long)
+MAX_BODY_BYTES = 1 << 20  # a request body larger than this is refused (413 body_too_large)
+TOKEN_ENV = "SCALINGINTER_ENV_TOKEN"  # the shared token clients send as "Authorization: Bearer <token>"
 
 
 class ApiError(Exception):
@@ -71,17 +78,18 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+# strict: ``true`` is not env 1 and ``"1_0"`` is not 10
 class IdBody(_Body):
-    id: int = _ID
+    id: StrictInt = _ID
 
 
 class ResetBody(_Body):
-    id: int = _ID
-    data_idx: int
+    id: StrictInt = _ID
+    data_idx: StrictInt
 
 
 class StepBody(_Body):
-    id: int = _ID
+    id: StrictInt = _ID
     action: str
 
 
@@ -97,6 +105,15 @@ class _Slot:
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
+
+
+def env_capacity(env: Any) -> int | None:
+    """Episodes an env of this kind can run at once in one server process: its ``episode_capacity`` attribute,
+    else its pool's ``capacity`` (the browser pool's contexts, SciWorld's JVMs); None for envs without a pool."""
+    cap = getattr(env, "episode_capacity", None)
+    if cap is None:
+        cap = getattr(getattr(env, "pool", None), "capacity", None)
+    return int(cap) if isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap >= 1 else None
 
 
 def _jsonable(x: Any) -> Any:
@@ -117,6 +134,40 @@ def _jsonable(x: Any) -> Any:
             except Exception:  # noqa: BLE001
                 pass
     return str(x)
+
+
+def _split_range(data_idx: int) -> tuple[str, int]:
+    return ("test", TEST_OFFSET) if data_idx >= TEST_OFFSET else ("train", 0)
+
+
+def _num_tasks(env: Any, split: str) -> int | None:
+    try:
+        return int(env.num_tasks(split))
+    except Exception:  # noqa: BLE001  (an env that cannot say: its reset decides)
+        return None
+
+
+def _past_split(env: Any, data_idx: int) -> str | None:
+    """Why ``data_idx`` lies past its split's tasks, or None when it does not (or the env cannot say)."""
+    split, base = _split_range(data_idx)
+    n = _num_tasks(env, split)
+    if n is not None and data_idx - base >= n:
+        return f"data_idx {data_idx} out of range: the {split} split has {n} task(s), [{base}, {base + n})"
+    return None
+
+
+def check_task_index(env: Any, data_idx: int) -> None:
+    """Raise ``TaskIndexError`` for an index outside every env's task space: negative, past the test split's
+    offsets, past the test split's tasks (train indices past the split wrap around in some envs: their reset
+    decides)."""
+    if not 0 <= data_idx < 2 * TEST_OFFSET:
+        raise TaskIndexError(f"data_idx {data_idx} out of range: train is [0, {TEST_OFFSET}), "
+                             f"test is [{TEST_OFFSET}, {2 * TEST_OFFSET})")
+    split, _ = _split_range(data_idx)
+    if split == "test" or _num_tasks(env, split) == 0:
+        past = _past_split(env, data_idx)
+        if past:
+            raise TaskIndexError(past)
 
 
 class EnvHost:
@@ -154,12 +205,14 @@ class EnvHost:
         self._limiter: anyio.CapacityLimiter | None = None
         self._reaper_task: asyncio.Task | None = None
         self.created_total = self.closed_total = self.reaped_total = 0
+        self.capacity: int | None = None  # episodes the env's pool holds at once (None: unbounded / not yet known)
 
     # lifecycle
     async def start(self) -> None:
         self._limiter = anyio.CapacityLimiter(self.workers)
         if self.preload:  # fail fast on import/option errors, and keep the env for the first /create
             self._spare = await self._run(self._make)
+            self.capacity = env_capacity(self._spare)
         self._reaper_task = asyncio.create_task(self._reaper(), name="env-reaper")
 
     async def shutdown(self) -> None:
@@ -208,9 +261,9 @@ class EnvHost:
     def _env_failed(self, slot: _Slot, what: str, exc: BaseException) -> ApiError:
         slot.state = "broken"
         log.error("env %d (%s) raised in %s", slot.id, self.env_name, what, exc_info=exc)
-        return ApiError(
-            500, "env_error", f"{self.env_name} env raised in {what}: {type(exc).__name__}: {exc}", id=slot.id
-        )
+        # the exception text stays in the server log: it may hold paths, hosts or data a client should not see
+        return ApiError(500, "env_error", f"the {self.env_name} env raised an error in {what} (details in the server "
+                        "log); the episode is lost, reset the env or close it", id=slot.id)
 
     async def _close_env(self, env: TextEnv) -> None:
         try:
@@ -262,6 +315,9 @@ class EnvHost:
             "instance": os.environ.get("SCALINGINTER_INSTANCE"),
             "live_envs": len(self._slots),
             "max_envs": self.max_envs,
+            # how many episodes this server runs at once: its env's pool size (browser contexts, JVMs), null for
+            # envs without one (then only max_envs bounds it); the rollout caps its live episodes to the sum
+            "capacity": self.capacity,
             "idle_ttl_s": self.idle_ttl_s,
             "created_total": self.created_total,
             "closed_total": self.closed_total,
@@ -283,10 +339,12 @@ class EnvHost:
             env, self._spare = self._spare, None
             if env is None:
                 env = await self._run(self._make)
+            if self.capacity is None:  # not preloaded: the first env tells
+                self.capacity = env_capacity(env)
         except Exception as exc:  # noqa: BLE001
             log.exception("creating a %s env failed", self.env_name)
             raise ApiError(
-                500, "env_create_failed", f"creating a {self.env_name} env failed: {type(exc).__name__}: {exc}"
+                500, "env_create_failed", f"creating a {self.env_name} env failed (details in the server log)"
             ) from exc
         finally:
             self._creating -= 1
@@ -300,15 +358,24 @@ class EnvHost:
         async with self._use(env_id) as slot:
 
             def work():
-                obs, info = slot.env.reset(data_idx)
+                check_task_index(slot.env, data_idx)
+                try:
+                    obs, info = slot.env.reset(data_idx)
+                except TaskIndexError:
+                    raise
+                except ValueError as exc:  # a non-wrapping env refusing a train index past its split
+                    past = _past_split(slot.env, data_idx)
+                    if past:
+                        raise TaskIndexError(past) from exc
+                    raise
                 return obs, info, slot.env.instruction()
 
             try:
                 obs, info, instruction = await self._run(work)
-            except ValueError as exc:
+            except TaskIndexError as exc:
                 slot.state = "created"
-                raise ApiError(400, "bad_data_idx", f"reset({data_idx}) rejected: {exc}", id=env_id) from exc
-            except Exception as exc:  # noqa: BLE001
+                raise ApiError(400, "bad_data_idx", f"reset({data_idx}) rejected: {exc.message}", id=env_id) from exc
+            except Exception as exc:  # noqa: BLE001  (any other failure, ValueError included, is the env's)
                 raise self._env_failed(slot, f"reset({data_idx})", exc) from exc
             slot.state = "running"
             return {
@@ -377,8 +444,107 @@ class EnvHost:
 
 
 # --- the app ------------------------------------------------------------------------------------------
+class SafeJSONResponse(JSONResponse):
+    """JSON that always encodes: a lone surrogate (from a client's ``"\\ud800"`` echoed in an observation) becomes
+    U+FFFD instead of a UnicodeEncodeError that would turn the reply into a 500 and drop the connection."""
+
+    def render(self, content: Any) -> bytes:
+        text = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace").encode("utf-8")
+
+
 def _error(status: int, code: str, message: str, **extra: Any) -> JSONResponse:
-    return JSONResponse({"error": message, "code": code, **extra}, status_code=status)
+    return SafeJSONResponse({"error": message, "code": code, **extra}, status_code=status)
+
+
+def _no_surrogates(text: str) -> str:
+    """Lone surrogates (valid JSON escapes, invalid Unicode) replaced by U+FFFD, so env code never sees them."""
+    return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+
+
+def is_loopback(host: str) -> bool:
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class RequestGuard:
+    """ASGI middleware in front of every route: the shared token (when set; ``GET /health`` is exempt so probes
+    and the spawner's health check work), JSON-only POST bodies (a web page cannot send ``application/json``
+    cross-origin without a preflight this server never grants), and a bound on the body size (413)."""
+
+    def __init__(self, app: Any, *, token: str | None, max_body_bytes: int):
+        self.app = app
+        self.token = token.encode() if token else None
+        self.max_body_bytes = int(max_body_bytes)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
+        refusal = self._refusal(scope, headers)
+        if refusal is None and scope["method"] == "POST":
+            body, refusal = await self._read_body(headers, receive)
+            if refusal is None:
+                receive = _replay(body, receive)
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope, headers) -> JSONResponse | None:
+        if self.token is not None and not (scope["method"] == "GET" and scope["path"] == "/health"):
+            given = headers.get("authorization", b"")
+            scheme, _, value = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(value.strip(), self.token):
+                return _error(401, "unauthorized", f"this env server needs its token: send 'Authorization: Bearer "
+                              f"<token>' (the clients read {TOKEN_ENV})")
+        if scope["method"] == "POST":
+            ctype = headers.get("content-type", b"").split(b";")[0].strip().lower()
+            if ctype != b"application/json":
+                return _error(415, "unsupported_media_type", "POST bodies must be JSON: send "
+                              "'Content-Type: application/json' and a JSON object (e.g. {} for /create)")
+        return None
+
+    async def _read_body(self, headers, receive) -> tuple[bytes, JSONResponse | None]:
+        too_big = _error(413, "body_too_large", f"the request body is larger than {self.max_body_bytes} bytes "
+                         f"(actions are limited to {MAX_ACTION_CHARS} characters by default)")
+        declared = headers.get("content-length")
+        if declared is not None:
+            if not declared.strip().isdigit():
+                return b"", _error(400, "bad_content_length", "Content-Length is not a number")
+            if int(declared) > self.max_body_bytes:
+                return b"", too_big
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                break
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return b"", too_big
+            chunks.append(chunk)
+            if not msg.get("more_body", False):
+                break
+        return b"".join(chunks), None
+
+
+def _replay(body: bytes, receive):
+    """A ``receive`` that hands the app the body already read, then the connection's own messages."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 def create_app(
@@ -390,8 +556,16 @@ def create_app(
     reap_interval_s: float | None = None,
     workers: int = 32,
     preload: bool = True,
+    token: str | None = None,
+    max_action_chars: int = MAX_ACTION_CHARS,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> FastAPI:
-    """A FastAPI app hosting envs of ``env_name`` (built with ``make_env(env_name, **env_options)``)."""
+    """A FastAPI app hosting envs of ``env_name`` (built with ``make_env(env_name, **env_options)``).
+
+    ``token``: when set, every request but ``GET /health`` must carry ``Authorization: Bearer <token>``.
+    """
+    if max_action_chars < 1 or max_body_bytes < 1024:
+        raise ValueError("max_action_chars must be >= 1 and max_body_bytes >= 1024")
     host = EnvHost(
         env_name,
         env_options,
@@ -410,8 +584,11 @@ def create_app(
         finally:
             await host.shutdown()
 
-    app = FastAPI(title=f"ScalingInter env server ({env_name})", lifespan=lifespan)
+    # no /docs, /redoc or /openapi.json: the protocol is documented in this module, not served to strangers
+    app = FastAPI(title=f"ScalingInter env server ({env_name})", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None, default_response_class=SafeJSONResponse)
     app.state.host = host
+    app.add_middleware(RequestGuard, token=token, max_body_bytes=max_body_bytes)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
@@ -436,14 +613,20 @@ def create_app(
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception):
         log.exception("unhandled error in %s %s", request.method, request.url.path)
-        return _error(500, "internal_error", f"{type(exc).__name__}: {exc}")
+        return _error(500, "internal_error", "internal server error (details in the server log)")
 
     @app.get("/health")
     async def health():
         return host.health()
 
     @app.post("/create")
-    async def create():
+    async def create(request: Request):
+        try:  # a JSON object is required (and ignored): see RequestGuard
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError):
+            body = None
+        if not isinstance(body, dict):
+            raise ApiError(400, "malformed_json", "/create takes a JSON object body, e.g. {}")
         return await host.create()
 
     @app.post("/reset")
@@ -452,14 +635,19 @@ def create_app(
 
     @app.post("/step")
     async def step(body: StepBody):
-        return await host.step(body.id, body.action)
+        if len(body.action) > max_action_chars:
+            raise ApiError(422, "action_too_long", f"the action has {len(body.action)} characters; this server "
+                           f"takes at most {max_action_chars} (--max-action-chars): send a shorter reply")
+        return await host.step(body.id, _no_surrogates(body.action))
 
     @app.get("/observation")
-    async def observation(id: int | None = Query(None), env_idx: int | None = Query(None)):  # noqa: A002
-        env_id = id if id is not None else env_idx
-        if env_id is None:
+    async def observation(id: str | None = Query(None), env_idx: str | None = Query(None)):  # noqa: A002
+        raw = id if id is not None else env_idx
+        if raw is None:
             raise ApiError(422, "invalid_request", "invalid request: query parameter 'id' (or 'env_idx') is required")
-        return await host.observation(env_id)
+        if not (raw.isascii() and raw.isdigit() and len(raw) <= 18):
+            raise ApiError(422, "invalid_request", "invalid request: id must be a non-negative integer in digits")
+        return await host.observation(int(raw))
 
     @app.post("/close")
     async def close(body: IdBody):
@@ -495,12 +683,23 @@ def serve(
     workers: int = 32,
     log_level: str = "warning",
     parent_pid: int | None = None,
+    token: str | None = None,
+    max_action_chars: int = MAX_ACTION_CHARS,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> None:
-    """Run the server for ``env_name`` with uvicorn (blocks until shut down)."""
+    """Run the server for ``env_name`` with uvicorn (blocks until shut down).
+
+    ``token`` (default: ``$SCALINGINTER_ENV_TOKEN``) is required to bind anything but a loopback address.
+    """
     import uvicorn
 
+    token = token or os.environ.get(TOKEN_ENV) or None
+    if not token and not is_loopback(host):
+        sys.exit(f"error: refusing to serve on {host} (not a loopback address) without a shared token; pass "
+                 f"--token or set {TOKEN_ENV} (clients send it), or bind 127.0.0.1")
     app = create_app(
-        env_name, env_options, max_envs, idle_ttl_s, reap_interval_s=reap_interval_s, workers=workers
+        env_name, env_options, max_envs, idle_ttl_s, reap_interval_s=reap_interval_s, workers=workers, token=token,
+        max_action_chars=max_action_chars, max_body_bytes=max_body_bytes,
     )
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5
@@ -538,6 +737,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workers", type=int, default=32, help="max env calls running at once (threads)")
     p.add_argument("--log-level", default="warning")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this parent process is gone")
+    p.add_argument("--token", default=None,
+                   help=f"shared token clients must send (default: ${TOKEN_ENV}); required off loopback")
+    p.add_argument("--max-action-chars", type=int, default=MAX_ACTION_CHARS, help="longest /step action (422 beyond)")
+    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="largest request body (413 beyond)")
     a = p.parse_args(argv)
     options: dict[str, Any] = json.loads(a.options_json) if a.options_json else {}
     options.update(dict(a.option))
@@ -553,6 +756,9 @@ def main(argv: list[str] | None = None) -> None:
         workers=a.workers,
         log_level=a.log_level,
         parent_pid=a.parent_pid,
+        token=a.token,
+        max_action_chars=a.max_action_chars,
+        max_body_bytes=a.max_body_bytes,
     )
 
 

@@ -14,6 +14,7 @@ from typing import Any, Awaitable, Callable, Protocol
 
 from core.chat import ChatFormat
 from core.trajectory import Trajectory
+from envs.errors import TaskIndexError
 from tasks.backends.generation import GenerationBackend, SamplingParams
 
 
@@ -63,6 +64,8 @@ class RolloutStats:
     retried_episodes: int = 0  # masked by an env failure, then run again
     recovered_episodes: int = 0  # ... and not masked the second time
     servers_replaced: int = 0
+    live_cap: int | None = None  # at most this many episodes live at once (None: all)
+    waiting: int = 0  # episodes not started yet because the cap is reached (waiting for env capacity)
 
     @property
     def tokens_per_s(self) -> float:
@@ -89,6 +92,9 @@ async def _safe(coro: Awaitable[EnvReply]) -> EnvReply | Exception:
         return await coro
     except EnvConfigError:
         raise
+    except TaskIndexError as e:  # an in-process env refusing the index: the run's config, not the env, is wrong
+        raise EnvConfigError(f"{e}. The run draws train tasks from [0, env.task_pool): set env.task_pool to at "
+                             "most the env's train split size (--set env.task_pool=N)") from e
     except Exception as e:  # noqa: BLE001 - any env failure masks the episode
         return e
 
@@ -134,12 +140,14 @@ async def run_rollout(
 
     pending = list(range(len(specs)))[::-1]  # popped from the end: episodes start in spec order
     cap = len(specs) if max_live is None else max_live
+    stats.live_cap = max_live
     live: list[int] = []
 
     async def admit() -> None:
         """Reset pending episodes until ``cap`` are live (an env server with a bounded pool — browser contexts,
         JVMs — then never sees more episodes than it can hold)."""
         batch = [pending.pop() for _ in range(min(cap - len(live), len(pending)))]
+        stats.waiting = len(pending)
         if not batch:
             return
         t0 = time.time()

@@ -63,7 +63,7 @@ def test_env_serve_babyai():
                 time.sleep(0.2)
         else:
             pytest.fail("server did not come up")
-        eid = httpx.post(f"{base}/create", timeout=10).json()["id"]
+        eid = httpx.post(f"{base}/create", json={}, timeout=10).json()["id"]
         r = httpx.post(f"{base}/reset", json={"id": eid, "data_idx": 0}, timeout=10).json()
         assert "Which action?" in r["observation"] and r["done"] is False and r["instruction"]
         action = r["info"]["available_actions"][0]

@@ -105,7 +105,7 @@ def test_container_server_health_restart_and_teardown():
         assert c.labels[containers.LABEL] == "toy"
         h = httpx.get(srv.url + "/health").json()
         assert h["env"] == "toy" and h["instance"] == srv.instance_id and srv.alive()
-        env_id = httpx.post(srv.url + "/create").json()["id"]
+        env_id = httpx.post(srv.url + "/create", json={}).json()["id"]
         assert "door 4" in httpx.post(srv.url + "/reset", json={"id": env_id, "data_idx": 0}).json()["observation"]
         # a crash: the container's process dies; restart = a fresh container on the same host port
         port, first = srv.port, srv.instance_id
@@ -161,7 +161,7 @@ def test_real_daemon_serves_the_light_image():
     srv = spawn_env_server("babyai", runtime="docker", docker_client=client)
     try:
         assert srv.kind == "docker" and srv.alive()
-        env_id = httpx.post(srv.url + "/create").json()["id"]
+        env_id = httpx.post(srv.url + "/create", json={}).json()["id"]
         assert httpx.post(srv.url + "/reset", json={"id": env_id, "data_idx": 0}).status_code == 200
         srv.kill()
         srv.restart()
