@@ -36,6 +36,12 @@ from envs.errors import (
 )
 
 TOKEN_ENV = "SCALINGINTER_ENV_TOKEN"  # the env servers' shared token (envs.server reads the same variable)
+_TOKENS: dict[str, str] = {}  # base URL -> token of the servers this process spawned (envs.spawn registers them)
+
+
+def register_token(base_url: str, token: str) -> None:
+    """Clients of ``base_url`` made from now on in this process send ``token`` (unless given another)."""
+    _TOKENS[base_url.rstrip("/")] = token
 
 _RETRY_STATUSES = (502, 503, 504)
 # never reached the server: always safe to retry
@@ -73,7 +79,7 @@ class _Base:
         token: str | None = None,
     ):
         self.base_url = base_url.rstrip("/")
-        token = token if token is not None else os.environ.get(TOKEN_ENV)
+        token = token if token is not None else _TOKENS.get(self.base_url) or os.environ.get(TOKEN_ENV)
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self.health_timeout = httpx.Timeout(health_timeout_s, connect=min(connect_timeout_s, health_timeout_s))

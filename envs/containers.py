@@ -15,8 +15,10 @@ Images (``infra/docker/``), one per heavy dependency set:
 from __future__ import annotations
 
 import os
+import secrets
 from typing import Any
 
+from envs.client import TOKEN_ENV
 from envs.errors import EnvServerStartError
 from envs.spawn import EnvServerHandle
 
@@ -78,6 +80,8 @@ class EnvServerContainer(EnvServerHandle):
         self.shm_size = shm_size  # Chromium needs more than Docker's 64 MB /dev/shm
         self.extra_env = dict(extra_env or {})
         self.container: Any = None
+        # inside the container the server binds 0.0.0.0, which it refuses without a token
+        self.token = self.token or secrets.token_urlsafe(24)
 
     @property
     def client(self):
@@ -103,7 +107,8 @@ class EnvServerContainer(EnvServerHandle):
             command=self.command(),
             detach=True,
             ports={f"{CONTAINER_PORT}/tcp": (self.host, self.port)},
-            environment={"PYTHONUNBUFFERED": "1", **self.extra_env, "SCALINGINTER_INSTANCE": self.instance_id or ""},
+            environment={"PYTHONUNBUFFERED": "1", **self.extra_env, "SCALINGINTER_INSTANCE": self.instance_id or "",
+                         TOKEN_ENV: self.token},
             labels={LABEL: self.env_name, f"{LABEL}.owner-pid": str(os.getpid())},
             mem_limit=self.mem_limit,
             shm_size=self.shm_size,

@@ -33,6 +33,7 @@ from typing import Any
 
 import httpx
 
+from envs.client import TOKEN_ENV, register_token
 from envs.errors import EnvServerStartError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -70,6 +71,9 @@ class EnvServerHandle:
         self.startup_timeout_s = startup_timeout_s
         self.log_level = log_level
         self.instance_id: str | None = None
+        # the server's shared token: the one configured for this process, if any (a process server inherits the
+        # variable; a container, which must bind 0.0.0.0 inside, makes its own); this process's clients send it
+        self.token: str | None = os.environ.get(TOKEN_ENV) or None
 
     # --- info -----------------------------------------------------------------------------------------
     @property
@@ -134,6 +138,8 @@ class EnvServerHandle:
             try:
                 self._launch()
                 self._wait_healthy()
+                if self.token:
+                    register_token(self.url, self.token)
                 _LIVE.add(self)
                 return self
             except EnvServerStartError as exc:

@@ -12,6 +12,7 @@ import pytest
 
 from envs import containers
 from envs.errors import EnvServerStartError
+from envs.client import EnvClient
 from envs.spawn import REPO_ROOT, EnvServerProcess, spawn_env_server
 
 
@@ -105,8 +106,14 @@ def test_container_server_health_restart_and_teardown():
         assert c.labels[containers.LABEL] == "toy"
         h = httpx.get(srv.url + "/health").json()
         assert h["env"] == "toy" and h["instance"] == srv.instance_id and srv.alive()
-        env_id = httpx.post(srv.url + "/create", json={}).json()["id"]
-        assert "door 4" in httpx.post(srv.url + "/reset", json={"id": env_id, "data_idx": 0}).json()["observation"]
+        # the server binds 0.0.0.0 in a container, so it has a token: refused without it, and our clients send it
+        assert srv.token and c.environment["SCALINGINTER_ENV_TOKEN"] == srv.token
+        assert httpx.post(srv.url + "/create", json={}).status_code == 401
+        assert EnvClient(srv.url).create() >= 0
+        auth = {"Authorization": f"Bearer {srv.token}"}
+        env_id = httpx.post(srv.url + "/create", json={}, headers=auth).json()["id"]
+        reset = httpx.post(srv.url + "/reset", json={"id": env_id, "data_idx": 0}, headers=auth)
+        assert "door 4" in reset.json()["observation"]
         # a crash: the container's process dies; restart = a fresh container on the same host port
         port, first = srv.port, srv.instance_id
         c.kill()
@@ -161,8 +168,9 @@ def test_real_daemon_serves_the_light_image():
     srv = spawn_env_server("babyai", runtime="docker", docker_client=client)
     try:
         assert srv.kind == "docker" and srv.alive()
-        env_id = httpx.post(srv.url + "/create", json={}).json()["id"]
-        assert httpx.post(srv.url + "/reset", json={"id": env_id, "data_idx": 0}).status_code == 200
+        auth = {"Authorization": f"Bearer {srv.token}"}
+        env_id = httpx.post(srv.url + "/create", json={}, headers=auth).json()["id"]
+        assert httpx.post(srv.url + "/reset", json={"id": env_id, "data_idx": 0}, headers=auth).status_code == 200
         srv.kill()
         srv.restart()
         assert srv.alive()
