@@ -93,8 +93,13 @@ class RolloutConfig(_Strict):
         None, description="vLLM weights dtype. None: bfloat16 where the hardware has native bf16, else float32.")
     vllm_enforce_eager: bool = Field(True, description="vLLM: skip graph compilation (starts in ~15 s instead of "
                                                        "60-90 s on CPU, ~10 % slower generation).")
-    vllm_kv_cache_gb: float = Field(1.0, gt=0, description="vLLM CPU KV cache size (GiB, fractions allowed; "
-                                                            "fp32 SmolLM2-135M needs ~46 KB per token).")
+    vllm_kv_cache_gb: float | None = Field(
+        None, gt=0, description="vLLM CPU KV cache, a fixed size (GiB, fractions allowed; fp32 SmolLM2-135M needs "
+                                "~46 KB per token, bf16 ~23 KB). None: sized from the batch (episodes x "
+                                "token_budget x bytes per token) within vllm_kv_budget_gb.")
+    vllm_kv_budget_gb: float = Field(
+        2.0, gt=0, description="vLLM CPU: the most memory (GiB) the KV cache sized from the batch may take; when "
+                               "the batch needs more, live episodes are capped to what fits (a warning says so).")
     tasks_per_step: int = Field(4, ge=1, description="Distinct tasks per training step.")
     samples_per_task: int = Field(4, ge=1, description="Episodes per task (the GRPO group size).")
     max_new_tokens: int = Field(64, ge=1, description="Max tokens the policy may generate per turn.")
@@ -210,8 +215,6 @@ class RunConfig(_Strict):
     run_name: str | None = Field(None, description="Run name; a run with the same name and config resumes.")
     preset: str | None = Field(None, description="Preset this config was built from.")
     seed: int = Field(0, description="Seeds task sampling, generation and the learner.")
-    fail_after_step: int | None = Field(
-        None, ge=1, description="Fault injection for resume tests: fail right after this global step's checkpoint.")
 
     @model_validator(mode="after")
     def _consistent(self):

@@ -14,16 +14,21 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from prefect import flow
 
 from core.config import RunConfig
-from core.curriculum import Gate, GateState, gate_update, phase_start, total_steps, turn_limit_at
+from core.curriculum import Gate, GateState, Phase, gate_update, phase_start, total_steps, turn_limit_at
 from flows.config import build_config
+from core.walltime import format_breakdown
 from tasks import steps as T
+from tasks import timing
+from tasks.console import quiet_console
 from tasks.checkpoint_store import (
     checkpoint_exists,
     delete_checkpoint,
@@ -80,6 +85,23 @@ def local_model_dir(cfg: RunConfig, ref: str) -> str:
     return resolve_model(ref)
 
 
+FAULT_ENV = "SCALINGINTER_FAULT_AFTER_STEP"
+
+
+def inject_fault(global_step: int) -> None:
+    """Test hook, outside the run config: with ``$SCALINGINTER_FAULT_AFTER_STEP=N`` the run fails right after
+    global step N's checkpoint (to try resume and the Prefect UI's Retry)."""
+    raw = os.environ.get(FAULT_ENV, "").strip()
+    if not raw:
+        return
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ValueError(f"{FAULT_ENV}={raw!r} is not a step number: set it to a global step (e.g. 2) or unset it") from None
+    if global_step == n:
+        raise RuntimeError(f"fault injection: failing after global step {global_step} ({FAULT_ENV}={n})")
+
+
 def fmt(metrics: dict[str, float], keys: list[str]) -> str:
     return " | ".join(f"{k} {metrics[k]:.3g}" for k in keys if k in metrics)
 
@@ -88,134 +110,222 @@ def fmt(metrics: dict[str, float], keys: list[str]) -> str:
 @flow(name="phase", flow_run_name="phase-{phase}", log_prints=True)
 def phase_flow(config: RunConfig, phase: int, init_ref: str, parent_run_id: str | None = None) -> str:
     """Train one phase (``phase`` is 1-based). Returns the URI of the phase's final checkpoint."""
-    cfg = config
-    phases = cfg.curriculum.as_phases()
-    k = phase - 1
-    ph = phases[k]
-    start = phase_start(phases, k)
-    root = checkpoint_root(cfg)
-    phase_uri = join_uri(root, f"phase-{phase}")
-    final_uri = join_uri(phase_uri, "final")
-    if checkpoint_exists(final_uri):
-        print(f"phase {phase}: final checkpoint exists ({final_uri}); skipping")
-        tracker = make_tracker(cfg)
-        run_id = tracker.find_run(f"{cfg.run_name}/phase-{phase}", parent_run_id)
-        if run_id is not None:  # registration is the step after the final checkpoint: make sure it happened
-            version = tracker.ensure_registered(cfg.env.name, final_uri, run_id, {
-                "phase": str(phase), "turn_limit": str(ph.turn_limit), "run_name": cfg.run_name,
-                "global_step": str(start + ph.steps)})
-            if version is not None:
-                print(f"phase {phase}: registered {final_uri} as model scalinginter-{cfg.env.name} version "
-                      f"{version} (the earlier run stopped before registering it)")
-        _phase_artifact(cfg, phase, ph.steps, start + ph.steps, None, final_uri, None,
-                        note="Skipped: the final checkpoint of this phase exists (resumed run).")
-        return final_uri
-
-    tracker = make_tracker(cfg)
-    run_id = tracker.start_run(f"{cfg.run_name}/phase-{phase}",
-                               params={"phase": phase, "turn_limit": ph.turn_limit, "steps": ph.steps,
-                                       "start_step": start},
-                               parent_id=parent_run_id, tags={"scalinginter.phase": str(phase)})
-    # resume from the last step checkpoint of this phase, else from the previous phase's result
-    resume_uri = read_latest(phase_uri)
-    done_steps = 0
-    src = init_ref
-    if resume_uri and checkpoint_exists(resume_uri):
-        src = resume_uri
-    model_dir = local_model_dir(cfg, src)
-    ref_dir = local_model_dir(cfg, cfg.model.path)
-    key = T.open_session(cfg, model_dir, train=True, reference_dir=ref_dir)
-    session = T.get_session(key)
-    status = "FAILED"
-    metrics: dict[str, float] | None = None
-    try:
-        gated = cfg.curriculum.mode == "gated"
-        gate = Gate(**cfg.curriculum.gate.model_dump())
-        gstate = GateState()
-        if src != cfg.model.path:  # a checkpoint: restore optimizer, RNG and position
-            state = session.learner.load_training_state(Path(model_dir), weights=False)
-            if src == resume_uri:
-                done_steps = int(state.get("phase_step", 0))
-                gstate = GateState.from_dict(state.get("gate"))
-                print(f"phase {phase}: resuming after step {done_steps}/{ph.steps} from {resume_uri}")
-            if gated:  # phases have data-dependent lengths: the position comes from the checkpoint
-                start = int(state.get("global_step", 0)) - done_steps
+    cfg, plan = config, PhasePlan.of(config, phase)
+    if checkpoint_exists(plan.final_uri):
+        return finished_phase(cfg, plan, parent_run_id)
+    tracker, run_id, key, status = make_tracker(cfg), None, None, "FAILED"
+    try:  # the MLflow run and every resource are opened inside the try that ends them
+        run_id = tracker.start_run(f"{cfg.run_name}/phase-{phase}", params=plan.params(), parent_id=parent_run_id,
+                                   tags={"scalinginter.phase": str(phase)})
+        key, prog = open_phase(cfg, plan, init_ref)
         urls = T.spawn_env_servers(key)
-        for i in range(done_steps, ph.steps):
-            gstep = start + i
-            # steps mode: the curriculum is a pure function of the global step; gated: of the phase
-            limit = ph.turn_limit if gated else turn_limit_at(phases, gstep)
-            t0 = time.time()
+        rec, ckpt = StepRecorder(cfg, plan, tracker, run_id, parent_run_id), PhaseCheckpoints(cfg, plan, key)
+        for i in range(prog.done, plan.steps):
+            gstep, t0 = prog.start + i, time.time()
+            limit = plan.limit_at(gstep)
             T.ensure_servers_alive(key)
             roll = T.rollout_batch(key, urls, gstep, limit)
             adv = T.compute_advantages(key)
             upd = T.policy_update(key)
-            metrics = {**roll, **adv, **{f"train/{k2}": v for k2, v in upd.items()},
-                       "turn_limit": float(limit), "step_time_s": time.time() - t0}
-            tracker.log_metrics(run_id, metrics, step=gstep)
-            if parent_run_id:
-                tracker.log_metrics(parent_run_id, {k2: metrics[k2] for k2 in
-                                                    ("mean_reward", "success_rate", "mean_turns")}, step=gstep)
-            if cfg.tracking.log_trajectories:
-                tracker.log_text(run_id, T.trajectories_text(session.trajectories, cfg.tracking.log_trajectories),
-                                 f"trajectories/step-{gstep + 1:06d}.json")
-            with open(run_dir(cfg) / "metrics.jsonl", "a") as fh:
-                fh.write(json.dumps({"global_step": gstep + 1, "phase": phase, **metrics}) + "\n")
-            T.write_rollout_parquet(session.trajectories, run_dir(cfg) / "rollouts" / f"step-{gstep + 1:06d}.parquet",
-                                    phase, gstep)
-            print(f"phase {phase}/{len(phases)} step {i + 1}/{ph.steps} (global {gstep + 1}/{total_steps(phases)}) "
-                  f"turns<={limit} | episodes {int(roll['episodes'])} | "
-                  + fmt(metrics, ["mean_reward", "success_rate", "mean_turns", "gen_tokens_per_s",
-                                  "env_steps_per_s", "train/loss", "train/kl", "train/entropy"])
-                  + f" | {metrics['step_time_s']:.1f}s", flush=True)
-            state = {"global_step": gstep + 1, "phase": phase, "phase_step": i + 1, "turn_limit": limit,
-                     "run_name": cfg.run_name, "config": cfg.model_dump(mode="json")}
-            last = i + 1 == ph.steps
-            if gated:
-                gstate, reason = gate_update(gate, gstate, float(roll.get("success_rate", 0.0)), ph.steps)
-                state["gate"] = gstate.to_dict()
-                if reason is not None:
-                    last = True
-                    state["gate_reason"] = reason
-                    _log_transition(tracker, run_id, parent_run_id, phase, gstep + 1, i + 1, reason, gstate)
-            if last or (i + 1) % cfg.checkpoint.every_n_steps == 0:
-                prev = read_latest(phase_uri)
-                if last:
-                    out = T.save_step_checkpoint(key, final_uri, state)
-                    write_latest(root, out)
-                else:
-                    out = T.save_step_checkpoint(key, join_uri(phase_uri, f"step-{i + 1:06d}"), state,
-                                                 latest_of=phase_uri)
-                _prune(cfg, prev, out)
-            if cfg.fail_after_step is not None and gstep + 1 == cfg.fail_after_step:
-                raise RuntimeError(f"fault injection: failing after global step {gstep + 1} (fail_after_step)")
+            rec.step(i, gstep, limit, T.get_session(key).trajectories, roll, adv, upd, time.time() - t0)
+            last = prog.advance(i, roll, rec)
+            ckpt.save_if_due(i, last, prog.trainer_state(i, limit))
+            inject_fault(gstep + 1)
             if last:
                 break
-        steps_done = i + 1 if ph.steps > done_steps else done_steps
         status = "FINISHED"
-        tracker.set_tag(run_id, "scalinginter.final_checkpoint", final_uri)
-        version = tracker.register_checkpoint(cfg.env.name, final_uri, run_id, {
-            "phase": str(phase), "turn_limit": str(ph.turn_limit), "run_name": cfg.run_name,
-            "global_step": str(start + steps_done)})
-        print(f"phase {phase}: registered {final_uri} as model scalinginter-{cfg.env.name} version {version}")
-        _phase_artifact(cfg, phase, steps_done, start + steps_done, metrics, final_uri, run_id)
-        return final_uri
+        return finish_phase(cfg, plan, tracker, run_id, prog, rec.last_metrics)
     finally:
-        tracker.end_run(run_id, status)
-        T.close_session(key)
+        if run_id is not None:
+            tracker.end_run(run_id, status)
+        if key is not None:
+            T.close_session(key)
 
 
-def _log_transition(tracker: Tracker, run_id: str, parent_run_id: str | None, phase: int, global_step: int,
-                    phase_steps: int, reason: str, gstate: GateState) -> None:
-    """A gated phase ended: an MLflow event (metric + tags + JSON artifact) on the phase and parent runs."""
-    event = {"event": "phase_transition", "phase": phase, "global_step": global_step, "phase_steps": phase_steps,
-             "reason": reason, "smoothed_success": gstate.best, "history": list(gstate.history)}
-    print(f"phase {phase}: gated transition after {phase_steps} steps ({reason}; "
-          f"best smoothed success {gstate.best:.3f})")
-    for rid in filter(None, (run_id, parent_run_id)):
-        tracker.log_metrics(rid, {"curriculum/transition_phase": float(phase)}, step=global_step)
-        tracker.set_tag(rid, f"scalinginter.phase_{phase}.end", f"{reason} at step {global_step}")
-    tracker.log_text(run_id, json.dumps(event, indent=2), f"events/phase-{phase}-transition.json")
+@dataclass(frozen=True)
+class PhasePlan:
+    """Where a phase sits in the curriculum and where its checkpoints go."""
+
+    phase: int  # 1-based
+    turn_limit: int
+    steps: int  # the phase's length (gated: its maximum)
+    start: int  # global step of its first step (gated: the checkpoint's position wins)
+    phases: tuple[Phase, ...]
+    gated: bool
+    root: str  # <checkpoint root>/<run>
+    phase_uri: str
+    final_uri: str
+
+    @classmethod
+    def of(cls, cfg: RunConfig, phase: int) -> "PhasePlan":
+        phases = cfg.curriculum.as_phases()
+        ph, root = phases[phase - 1], checkpoint_root(cfg)
+        phase_uri = join_uri(root, f"phase-{phase}")
+        return cls(phase, ph.turn_limit, ph.steps, phase_start(phases, phase - 1), tuple(phases),
+                   cfg.curriculum.mode == "gated", root, phase_uri, join_uri(phase_uri, "final"))
+
+    def limit_at(self, global_step: int) -> int:
+        """steps mode: the curriculum is a pure function of the global step; gated: of the phase."""
+        return self.turn_limit if self.gated else turn_limit_at(list(self.phases), global_step)
+
+    def params(self) -> dict[str, Any]:
+        return {"phase": self.phase, "turn_limit": self.turn_limit, "steps": self.steps, "start_step": self.start}
+
+    def registry_tags(self, cfg: RunConfig, global_step: int) -> dict[str, str]:
+        return {"phase": str(self.phase), "turn_limit": str(self.turn_limit), "run_name": cfg.run_name,
+                "global_step": str(global_step)}
+
+
+@dataclass
+class PhaseProgress:
+    """The resume position (phase steps done, the phase's first global step) and the gate's bookkeeping."""
+
+    plan: PhasePlan
+    cfg: RunConfig
+    done: int = 0
+    start: int = 0
+    gate: Gate | None = None
+    gstate: GateState = field(default_factory=GateState)
+    reason: str | None = None  # why a gated phase ended
+
+    def advance(self, i: int, roll: dict[str, float], rec: "StepRecorder") -> bool:
+        """Phase step ``i`` is done; True when the phase ends after it (its last step, or the gate closed)."""
+        self.done = i + 1
+        if self.gate is None:
+            return self.done == self.plan.steps
+        self.gstate, self.reason = gate_update(self.gate, self.gstate, float(roll.get("success_rate", 0.0)),
+                                               self.plan.steps)
+        if self.reason is not None:
+            rec.transition(self.start + self.done, self.done, self.reason, self.gstate)
+        return self.reason is not None or self.done == self.plan.steps
+
+    def trainer_state(self, i: int, limit: int) -> dict[str, Any]:
+        state = {"global_step": self.start + i + 1, "phase": self.plan.phase, "phase_step": i + 1,
+                 "turn_limit": limit, "run_name": self.cfg.run_name, "config": self.cfg.model_dump(mode="json")}
+        if self.gate is not None:
+            state["gate"] = self.gstate.to_dict()
+            if self.reason is not None:
+                state["gate_reason"] = self.reason
+        return state
+
+
+def open_phase(cfg: RunConfig, plan: PhasePlan, init_ref: str) -> tuple[str, PhaseProgress]:
+    """Load the learner from the phase's last step checkpoint (resume) or the previous phase's result, and
+    restore the optimizer, RNG, position and gate state from a checkpoint. Returns the session key."""
+    resume_uri = read_latest(plan.phase_uri)
+    src = resume_uri if resume_uri and checkpoint_exists(resume_uri) else init_ref
+    model_dir = local_model_dir(cfg, src)
+    key = T.open_session(cfg, model_dir, train=True, reference_dir=local_model_dir(cfg, cfg.model.path))
+    prog = PhaseProgress(plan, cfg, start=plan.start, gate=Gate(**cfg.curriculum.gate.model_dump()) if plan.gated else None)
+    if src != cfg.model.path:  # a checkpoint: restore optimizer, RNG and position
+        try:
+            state = T.get_session(key).learner.load_training_state(Path(model_dir), weights=False)
+        except BaseException:
+            T.close_session(key)
+            raise
+        if src == resume_uri:
+            prog.done = int(state.get("phase_step", 0))
+            prog.gstate = GateState.from_dict(state.get("gate"))
+            print(f"phase {plan.phase}: resuming after step {prog.done}/{plan.steps} from {resume_uri}")
+        if plan.gated:  # phases have data-dependent lengths: the position comes from the checkpoint
+            prog.start = int(state.get("global_step", 0)) - prog.done
+    return key, prog
+
+
+def finish_phase(cfg: RunConfig, plan: PhasePlan, tracker: Tracker, run_id: str, prog: PhaseProgress,
+                 metrics: dict[str, float] | None) -> str:
+    """Register the phase's final checkpoint as a model version and publish the phase's artifact."""
+    tracker.set_tag(run_id, "scalinginter.final_checkpoint", plan.final_uri)
+    version = tracker.register_checkpoint(cfg.env.name, plan.final_uri, run_id,
+                                          plan.registry_tags(cfg, prog.start + prog.done))
+    print(f"phase {plan.phase}: registered {plan.final_uri} as model scalinginter-{cfg.env.name} version {version}")
+    _phase_artifact(cfg, plan.phase, prog.done, prog.start + prog.done, metrics, plan.final_uri, run_id)
+    return plan.final_uri
+
+
+def finished_phase(cfg: RunConfig, plan: PhasePlan, parent_run_id: str | None) -> str:
+    """A phase whose final checkpoint exists is skipped; if the earlier run stopped between that checkpoint and
+    its registration, the registration is repaired."""
+    print(f"phase {plan.phase}: final checkpoint exists ({plan.final_uri}); skipping")
+    tracker = make_tracker(cfg)
+    run_id = tracker.find_run(f"{cfg.run_name}/phase-{plan.phase}", parent_run_id)
+    if run_id is not None:  # registration is the step after the final checkpoint: make sure it happened
+        version = tracker.ensure_registered(cfg.env.name, plan.final_uri, run_id,
+                                            plan.registry_tags(cfg, plan.start + plan.steps))
+        if version is not None:
+            print(f"phase {plan.phase}: registered {plan.final_uri} as model scalinginter-{cfg.env.name} version "
+                  f"{version} (the earlier run stopped before registering it)")
+    _phase_artifact(cfg, plan.phase, plan.steps, plan.start + plan.steps, None, plan.final_uri, None,
+                    note="Skipped: the final checkpoint of this phase exists (resumed run).")
+    return plan.final_uri
+
+
+class StepRecorder:
+    """Where a step's results go: the phase's MLflow run (and the parent's headline metrics), metrics.jsonl,
+    sample trajectories as an MLflow artifact, every episode as Parquet, and one printed line."""
+
+    HEADLINE = ("mean_reward", "success_rate", "mean_turns")
+
+    def __init__(self, cfg: RunConfig, plan: PhasePlan, tracker: Tracker, run_id: str, parent_run_id: str | None):
+        self.cfg, self.plan, self.tracker, self.run_id, self.parent_run_id = cfg, plan, tracker, run_id, parent_run_id
+        self.dir = run_dir(cfg)
+        self.last_metrics: dict[str, float] | None = None
+
+    def step(self, i: int, gstep: int, limit: int, trajs: list, roll: dict[str, float], adv: dict[str, float],
+             upd: dict[str, float], step_time_s: float) -> dict[str, float]:
+        cfg, plan = self.cfg, self.plan
+        metrics = {**roll, **adv, **{f"train/{k}": v for k, v in upd.items()}, "turn_limit": float(limit),
+                   "step_time_s": step_time_s}
+        self.tracker.log_metrics(self.run_id, metrics, step=gstep)
+        if self.parent_run_id:
+            self.tracker.log_metrics(self.parent_run_id, {k: metrics[k] for k in self.HEADLINE}, step=gstep)
+        if cfg.tracking.log_trajectories:
+            self.tracker.log_text(self.run_id, T.trajectories_text(trajs, cfg.tracking.log_trajectories),
+                                  f"trajectories/step-{gstep + 1:06d}.json")
+        with open(self.dir / "metrics.jsonl", "a") as fh:
+            fh.write(json.dumps({"global_step": gstep + 1, "phase": plan.phase, **metrics}) + "\n")
+        T.write_rollout_parquet(trajs, self.dir / "rollouts" / f"step-{gstep + 1:06d}.parquet", plan.phase, gstep)
+        print(f"phase {plan.phase}/{len(plan.phases)} step {i + 1}/{plan.steps} (global {gstep + 1}/"
+              f"{total_steps(list(plan.phases))}) turns<={limit} | episodes {int(roll['episodes'])} | "
+              + fmt(metrics, ["mean_reward", "success_rate", "mean_turns", "gen_tokens_per_s",
+                              "env_steps_per_s", "train/loss", "train/kl", "train/entropy"])
+              + f" | {step_time_s:.1f}s", flush=True)
+        self.last_metrics = metrics
+        return metrics
+
+    def transition(self, global_step: int, phase_steps: int, reason: str, gstate: GateState) -> None:
+        """A gated phase ended: an MLflow event (metric + tags + JSON artifact) on the phase and parent runs."""
+        phase = self.plan.phase
+        event = {"event": "phase_transition", "phase": phase, "global_step": global_step,
+                 "phase_steps": phase_steps, "reason": reason, "smoothed_success": gstate.best,
+                 "history": list(gstate.history)}
+        print(f"phase {phase}: gated transition after {phase_steps} steps ({reason}; "
+              f"best smoothed success {gstate.best:.3f})")
+        for rid in filter(None, (self.run_id, self.parent_run_id)):
+            self.tracker.log_metrics(rid, {"curriculum/transition_phase": float(phase)}, step=global_step)
+            self.tracker.set_tag(rid, f"scalinginter.phase_{phase}.end", f"{reason} at step {global_step}")
+        self.tracker.log_text(self.run_id, json.dumps(event, indent=2), f"events/phase-{phase}-transition.json")
+
+
+class PhaseCheckpoints:
+    """Step checkpoints every ``checkpoint.every_n_steps`` and the phase's final one; the phase pointer (or the
+    run's ``latest`` for a final) moves to each, and the superseded step checkpoint is pruned after."""
+
+    def __init__(self, cfg: RunConfig, plan: PhasePlan, key: str):
+        self.cfg, self.plan, self.key = cfg, plan, key
+
+    def save_if_due(self, i: int, last: bool, state: dict[str, Any]) -> str | None:
+        if not (last or (i + 1) % self.cfg.checkpoint.every_n_steps == 0):
+            return None
+        prev = read_latest(self.plan.phase_uri)
+        if last:
+            out = T.save_step_checkpoint(self.key, self.plan.final_uri, state)
+            write_latest(self.plan.root, out)
+        else:
+            out = T.save_step_checkpoint(self.key, join_uri(self.plan.phase_uri, f"step-{i + 1:06d}"), state,
+                                         latest_of=self.plan.phase_uri)
+        _prune(self.cfg, prev, out)
+        return out
 
 
 def _phase_artifact(cfg: RunConfig, phase: int, steps_done: int, global_step: int,
@@ -283,12 +393,18 @@ def scalinginter(config: RunConfig | None = None, env: str = "babyai", preset: s
         print(f"S3 settings from Prefect block {cfg.checkpoint.s3_block!r}: {', '.join(apply_s3_block(cfg.checkpoint.s3_block))}")
     phases = cfg.curriculum.as_phases()
     rd = run_dir(cfg)
+    t_run = time.time()
+    ledger = timing.reset()
+    log_path = quiet_console(rd)  # engine / library chatter -> the run's engine.log
     (rd / "config.json").write_text(cfg.model_dump_json(indent=2))
     tracker = make_tracker(cfg)
     parent = tracker.start_run(cfg.run_name, params=cfg.model_dump(mode="json"), tags={"scalinginter.env": cfg.env.name})
     print(f"ScalingInter run {cfg.run_name}: env {cfg.env.name}, model {cfg.model.path}, "
           f"turn limits {' -> '.join(str(p.turn_limit) for p in phases)}, {total_steps(phases)} steps; "
           f"MLflow run {parent} ({tracker.uri})")
+    if log_path is not None:
+        print(f"engine, transformers, DeepSpeed, MLflow and Prefect logs: {log_path} (SCALINGINTER_VERBOSE=1 shows "
+              "them here)")
     status = "FAILED"
     try:
         before = None
@@ -309,8 +425,12 @@ def scalinginter(config: RunConfig | None = None, env: str = "babyai", preset: s
         tracker.set_tag(parent, "scalinginter.final_checkpoint", ref)
         summary = {"run_name": cfg.run_name, "mlflow_run_id": parent, "mlflow_uri": tracker.uri,
                    "final_checkpoint": ref, "eval_before": before, "eval_after": after}
+        wall = time.time() - t_run
+        summary["wall_time_s"] = round(wall, 1)
+        summary["wall_time_breakdown_s"] = ledger.breakdown(wall)  # where the time went (core.walltime)
         (rd / "summary.json").write_text(json.dumps(summary, indent=2))
         print(summary_table(summary, cfg))
+        print(format_breakdown(summary["wall_time_breakdown_s"], wall))
         status = "FINISHED"
         return summary
     finally:

@@ -67,7 +67,7 @@ def tiny_model(tmp_path_factory):
     return d
 
 
-def cli(out, model, name, *extra):
+def cli(out, model, name, *extra, fault_after: int | None = None):
     exe = Path(sys.executable).with_name("scalinginter")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "flows.cli"]
     sets = [f"model.path={model}", "rollout.backend=transformers", "algo.estimator=ppo", "algo.lr=1e-3",
@@ -77,8 +77,11 @@ def cli(out, model, name, *extra):
             "rollout.token_budget=512", "env.task_pool=1000", "eval.before=false", "eval.after=false", "tracking.log_trajectories=0",
             f"output_dir={out}"]
     cmd += ["run", "toy", "--run-name", name] + [a for s in sets + list(extra) for a in ("--set", s)]
-    return subprocess.run(cmd, cwd=out, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-                          text=True, timeout=900)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("SCALINGINTER_FAULT_AFTER_STEP", None)
+    if fault_after is not None:  # the test-only fault hook (not a config key)
+        env["SCALINGINTER_FAULT_AFTER_STEP"] = str(fault_after)
+    return subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=900)
 
 
 def steps_logged(out, name):
@@ -87,7 +90,7 @@ def steps_logged(out, name):
 
 
 def test_ppo_gated_run_killed_and_resumed_ends_like_an_uninterrupted_one(tmp_path, tiny_model):
-    p = cli(tmp_path, tiny_model, "cut", "fail_after_step=1")
+    p = cli(tmp_path, tiny_model, "cut", fault_after=1)
     assert p.returncode != 0 and "fault injection" in (p.stdout + p.stderr)
     assert steps_logged(tmp_path, "cut") == [(1, 1)]
 
@@ -128,3 +131,25 @@ def test_ppo_gated_run_killed_and_resumed_ends_like_an_uninterrupted_one(tmp_pat
     ca = torch.load(ck / "phase-2" / "final" / "critic" / "model.pt")
     cb = torch.load(tmp_path / "checkpoints" / "whole" / "phase-2" / "final" / "critic" / "model.pt")
     assert all(torch.equal(ca[k], cb[k]) for k in ca)
+
+
+def test_fault_hook_is_test_only(monkeypatch):
+    """The fault hook is an env var read by the flow, not a config key: RunConfig (the Prefect form, the MLflow
+    params) has no such field, and the hook fails exactly after the named step, with a clear error on bad input."""
+    from core.config import RunConfig
+    from flows.config import ConfigError, build_config
+    from flows.scalinginter import FAULT_ENV, inject_fault
+
+    assert not [f for f in RunConfig.model_fields if "fail" in f or "fault" in f]
+    with pytest.raises(ConfigError, match="fail_after_step"):
+        build_config("toy", None, ["fail_after_step=2"])
+    monkeypatch.delenv(FAULT_ENV, raising=False)
+    inject_fault(2)  # unset: nothing happens
+    monkeypatch.setenv(FAULT_ENV, "2")
+    inject_fault(1)
+    inject_fault(3)
+    with pytest.raises(RuntimeError, match="fault injection: failing after global step 2"):
+        inject_fault(2)
+    monkeypatch.setenv(FAULT_ENV, "two")
+    with pytest.raises(ValueError, match="set it to a global step"):
+        inject_fault(1)

@@ -90,8 +90,11 @@ def test_retry_from_the_api_resumes_the_failed_phase(stack, tmp_path):
         assert schema["definitions"]["RolloutConfig"]["properties"]["temperature"]["description"]
 
         overrides = [f"output_dir={out}", f"curriculum.phases={json.dumps(PHASES)}", "eval.before=false",
-                     "eval.after=false", "tracking.log_trajectories=0", "fail_after_step=2"]
-        fr = client.create_flow_run_from_deployment(dep.id, parameters={"preset": "tiny", "overrides": overrides})
+                     "eval.after=false", "tracking.log_trajectories=0"]
+        assert "fail_after_step" not in json.dumps(schema)  # the form shows real settings only
+        # the test-only fault hook is an env var of the flow run's process (a process work pool's job variable)
+        fr = client.create_flow_run_from_deployment(dep.id, parameters={"preset": "tiny", "overrides": overrides},
+                                                    job_variables={"env": {"SCALINGINTER_FAULT_AFTER_STEP": "2"}})
         fr = _wait_terminal(client, fr.id)
         assert fr.state.type.value == "FAILED", fr.state
         assert "fault injection" in (fr.state.message or "")

@@ -18,12 +18,15 @@ COMMON = ["--preset", "tiny", "--set", f"curriculum.phases={PHASES}", "--set", "
           "--set", "eval.after=false", "--set", "tracking.log_trajectories=0"]
 
 
-def cli(out, name, *extra):
+def cli(out, name, *extra, fault_after: int | None = None):
     exe = Path(sys.executable).with_name("scalinginter")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "flows.cli"]
     cmd += ["run", "babyai", *COMMON, "--set", f"output_dir={out}", "--run-name", name, *extra]
-    return subprocess.run(cmd, cwd=out, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-                          text=True, timeout=900)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("SCALINGINTER_FAULT_AFTER_STEP", None)
+    if fault_after is not None:  # the test-only fault hook (not a config key)
+        env["SCALINGINTER_FAULT_AFTER_STEP"] = str(fault_after)
+    return subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=900)
 
 
 def steps_logged(out, name):
@@ -32,7 +35,7 @@ def steps_logged(out, name):
 
 @pytest.mark.slow
 def test_killed_run_resumes_exactly(tmp_path):
-    p = cli(tmp_path, "cut", "--set", "fail_after_step=2")
+    p = cli(tmp_path, "cut", fault_after=2)
     assert p.returncode != 0 and "fault injection" in (p.stdout + p.stderr)
     assert steps_logged(tmp_path, "cut") == [1, 2]
     ck = tmp_path / "checkpoints" / "cut"

@@ -127,7 +127,7 @@ def cli(out, name, env, *extra):
 def test_killed_run_resumes_from_s3(aws_env, tmp_path):
     env, bucket = aws_env
     root = f"s3://{bucket}/runs"
-    p = cli(tmp_path, "s3run", env, "--set", f"checkpoint.root={root}", "--set", "fail_after_step=2")
+    p = cli(tmp_path, "s3run", {**env, "SCALINGINTER_FAULT_AFTER_STEP": "2"}, "--set", f"checkpoint.root={root}")
     assert p.returncode != 0 and "fault injection" in p.stdout + p.stderr
     run = f"{root}/s3run"
     assert cs.list_checkpoints(run) == [f"{run}/phase-1/final", f"{run}/phase-2/step-000001"]
