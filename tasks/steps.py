@@ -27,6 +27,7 @@ from core.config import RunConfig
 from core.metrics import episode_metrics
 from core.trajectory import Trajectory
 from envs.base import task_index
+from tasks.timing import timed
 
 TASK_OPTS = dict(cache_policy=NO_CACHE, persist_result=False)
 
@@ -63,6 +64,7 @@ def _threads(cfg: RunConfig) -> None:
 
 # --- setup / teardown ------------------------------------------------------------------------------------
 @task(name="spawn-env-servers", retries=2, retry_delay_seconds=2, **TASK_OPTS)
+@timed("setup")
 def spawn_env_servers(key: str) -> list[str]:
     """Start the phase's env servers (containers or local processes, ``env.runtime``), or use a configured URL;
     returns their URLs."""
@@ -99,6 +101,7 @@ def _replace_dead_servers(s: Session) -> int:
     return restarted
 
 
+@timed("setup")
 def open_session(cfg: RunConfig, model_dir: str, train: bool, reference_dir: str | None = None) -> str:
     """Load models into a new in-process session. ``model_dir`` is a local HF folder."""
     import torch
@@ -213,6 +216,9 @@ def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, tur
         try:
             # the servers' capacities (pool sizes; AgentGym servers advertise none) cap the live episodes
             caps, cap = await live_cap(clients, s.cfg.rollout.max_live_episodes)
+            kv_cap = getattr(s.backend, "max_live_episodes", None)  # what the engine's KV cache holds (vLLM)
+            if kv_cap is not None and (cap is None or kv_cap < cap):
+                cap = kv_cap
             slots = ServerSlots(clients, caps)
 
             def make(i):
@@ -245,6 +251,7 @@ def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, tur
 
 
 @task(name="rollout-batch", **TASK_OPTS)
+@timed("rollout")
 def rollout_batch(key: str, urls: list[str], global_step: int, turn_limit: int) -> dict[str, float]:
     s = get_session(key)
     r = s.cfg.rollout
@@ -268,6 +275,7 @@ def local_critic_path(ref: str | None) -> str | None:
 
 
 @task(name="compute-advantages", **TASK_OPTS)
+@timed("advantages")
 def compute_advantages(key: str) -> dict[str, float]:
     """Learner-side inputs (old/ref log-probs, critic values) then the configured estimator."""
     s = get_session(key)
@@ -287,17 +295,20 @@ def compute_advantages(key: str) -> dict[str, float]:
 
 
 @task(name="policy-update", **TASK_OPTS)
+@timed("update")
 def policy_update(key: str) -> dict[str, float]:
     s = get_session(key)
     out = s.learner.update(s.trajectories, s.advantages, prepared=s.prepared, returns=s.returns)
     s.prepared = None
-    s.backend.sync_weights()  # a separate generation engine (vLLM) reloads the new weights; no-op otherwise
+    with timed("weight_sync"):
+        s.backend.sync_weights()  # a separate generation engine (vLLM) reloads the new weights; no-op otherwise
     if hasattr(s.backend, "sync_time_s"):
         out["weight_sync_s"] = s.backend.sync_time_s
     return out
 
 
 @task(name="evaluate", **TASK_OPTS)
+@timed("evaluation")
 def evaluate_ids(key: str, urls: list[str], task_ids: list[int], turn_limit: int,
                  max_new_tokens: int) -> dict[str, float]:
     """Greedy decoding on the given tasks (held-out by default): success rate, mean reward, mean turns."""
@@ -322,6 +333,7 @@ MAX_EVAL_SAMPLES = 4096  # an episode's seed key is task_id * MAX_EVAL_SAMPLES +
 
 
 @task(name="evaluate-sweep", **TASK_OPTS)
+@timed("evaluation")
 def evaluate_sweep(key: str, urls: list[str], task_ids: list[int], turn_limits: list[int], samples: int,
                    temperature: float, max_new_tokens: int, seed: int) -> dict[str, Any]:
     """Every task at every turn budget, ``samples`` times (greedy when ``temperature`` is 0), in ONE rollout call
@@ -361,6 +373,7 @@ def score_sweep(cfg: RunConfig, model_dir: str, task_ids: list[int], turn_limits
 
 # --- checkpoints ---------------------------------------------------------------------------------------
 @task(name="checkpoint", retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
+@timed("checkpoint")
 def save_step_checkpoint(key: str, uri: str, trainer_state: dict[str, Any], latest_of: str | None = None) -> str:
     from tasks.checkpoint_store import save_checkpoint, write_latest
 

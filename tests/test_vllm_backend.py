@@ -76,15 +76,15 @@ def _engine_matches_learner_after_sync(device_ok: bool, dtype: str, autocast: bo
     from core.trajectory import Trajectory
     from tasks.backends.learner import LearnerConfig, TorchLearner
     from tasks.backends.model import resolve_model
-    from tasks.backends.vllm_backend import VLLMBackend, export_fn
+    from tasks.backends.vllm_backend import VLLMBackend, named_weights_fn
 
     path = resolve_model("smollm2-135m")
     torch.manual_seed(0)
-    learner = TorchLearner(path, LearnerConfig(lr=1e-4, kl_coef=0.0, micro_batch_size=2, bf16_autocast=autocast,
+    learner = TorchLearner(path, LearnerConfig(lr=1e-3, kl_coef=0.0, micro_batch_size=2, bf16_autocast=autocast,
                                                temperature=1.0))
     seq = _fixed_sequence(learner.tokenizer)
     with VLLMBackend(path, learner.tokenizer.eos_token_id, dtype=dtype, enforce_eager=True, max_model_len=1024,
-                     export_weights=export_fn(learner)) as engine:
+                     kv_cache_gb=0.25, named_weights=named_weights_fn(learner)) as engine:
         # sampled log-probs (temperature 1) agree with the learner's recomputation of the same tokens
         prompt = seq[:-12]
         gens = engine.generate([prompt] * 4, SamplingParams(16, 1.0))
@@ -105,15 +105,27 @@ def _engine_matches_learner_after_sync(device_ok: bool, dtype: str, autocast: bo
         learner.update(trajs, advs, prepared=prep)  # the learner moves; the engine has not seen it yet
         want = learner.sequence_logprobs([seq])[0]
         stale, _ = _max_mean_diff(engine.prompt_logprobs([seq])[0], want)
+        # a mutated sync (every tensor but the tied embedding/head) must fail the same check
+        engine.push_weights([(n, p) for n, p in learner.model.named_parameters() if "embed_tokens" not in n])
+        mut_max, mut_mean = _max_mean_diff(engine.prompt_logprobs([seq])[0], want)
         t0 = time.time()
-        engine.sync_weights()
+        engine.sync_weights()  # in memory (shared memory), in the engine's dtype
         sync_s = time.time() - t0
         mx, mean = _max_mean_diff(engine.prompt_logprobs([seq])[0], want)
-        print(f"\n{dtype}: before update max {mx0:.2e}; stale max {stale:.2e}; after sync max {mx:.2e} "
-              f"mean {mean:.2e}; sync {sync_s:.2f}s")
+        print(f"\n{dtype}: before update max {mx0:.2e}; stale max {stale:.2e}; one tensor skipped max {mut_max:.2e} "
+              f"mean {mut_mean:.2e}; after sync max {mx:.2e} mean {mean:.2e}; sync {sync_s:.2f}s")
         assert stale > 2 * mx, "the update should move the log-probs more than the engine/learner noise"
+        assert mut_max > max_tol or mut_mean > mean_tol, "a sync that skips a tensor must not pass"
+        assert mut_mean > 3 * mean
         assert mx < max_tol and mean < mean_tol
         assert engine.syncs == 1
+        # the old path (an HF folder written by the learner) still works: same weights, same log-probs
+        from tasks.backends.vllm_backend import export_fn
+
+        engine.named_weights, engine.export_weights = None, export_fn(learner)
+        engine.sync_weights()
+        mx_disk, _ = _max_mean_diff(engine.prompt_logprobs([seq])[0], want)
+        assert mx_disk < max_tol
 
 
 @pytest.mark.slow

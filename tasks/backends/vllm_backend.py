@@ -21,7 +21,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterable
 
 from tasks.backends.generation import Generation, SamplingParams
 from tasks.backends.hardware import resolve_vllm_dtype
@@ -88,6 +88,59 @@ def to_generation(token_ids: list[int], logprob_dicts, eos_token_id: int, finish
 class WorkerExtension:
     """Methods added to vLLM's workers (``worker_extension_cls``), called through ``collective_rpc``."""
 
+    def _load_pairs(self, pairs) -> int:
+        """In-place reload from ``(hf_name, tensor)`` pairs through vLLM's own reload path (stacked q/k/v and
+        gate/up projections, layer-wise post-processing), then the CPU head refresh. Returns tensors loaded."""
+        pairs = list(pairs)
+        t0 = time.time()
+        self.model_runner.reload_weights(weights_iterator=iter(pairs))
+        t1 = time.time()
+        self.refresh_cpu_heads()
+        self.last_load_s = (t1 - t0, time.time() - t1)
+        return len(pairs)
+
+    def last_load_seconds(self) -> float:
+        return getattr(self, "last_load_s", -1.0)
+
+    def load_named_tensors(self, records) -> int:
+        """Weights sent inside the RPC message itself: ``(name, dtype, shape, raw bytes)`` per tensor (vLLM's
+        message encoder carries bytes as they are; a tensor object would arrive as a nested list)."""
+        import torch
+
+        pairs = [(name, torch.frombuffer(bytearray(raw), dtype=getattr(torch, dtype)).view(tuple(shape)))
+                 for name, dtype, shape, raw in records]
+        return self._load_pairs(pairs)
+
+    def load_shared_weights(self, shm_name: str, layout) -> int:
+        """Weights in a shared-memory segment the learner filled: ``layout`` is ``(name, dtype, shape, offset)``
+        per tensor. The segment stays mapped between syncs (the learner reuses it; views are read in place and
+        vLLM copies them into its parameters)."""
+        from multiprocessing import shared_memory
+
+        import torch
+
+        seg = getattr(self, "_weights_shm", None)
+        if seg is None or seg[0] != shm_name:
+            self._weights_shm = None
+            path = Path("/dev/shm") / shm_name.lstrip("/")
+            if path.exists():  # mapped by path: no resource-tracker entry here (the learner owns and unlinks it)
+                flat = torch.from_file(str(path), shared=True, size=path.stat().st_size, dtype=torch.uint8)
+                seg = (shm_name, None, flat)
+            else:  # no /dev/shm (not Linux)
+                shm = shared_memory.SharedMemory(name=shm_name)
+                seg = (shm_name, shm, torch.frombuffer(shm.buf, dtype=torch.uint8))
+            self._weights_shm = seg
+        flat = seg[2]
+        pairs = []
+        for name, dtype, shape, offset in layout:
+            dt = getattr(torch, dtype)
+            n = 1
+            for d in shape:
+                n *= d
+            nbytes = n * torch.empty((), dtype=dt).element_size()
+            pairs.append((name, flat[offset:offset + nbytes].view(dt).view(tuple(shape))))
+        return self._load_pairs(pairs)
+
     def refresh_cpu_heads(self) -> int:
         """CPU build: the output head packs a private copy of its weight for its GEMM at load time, and an in-place
         reload does not redo that for a head tied to the input embedding (measured: stale logits after a sync).
@@ -120,10 +173,16 @@ class VLLMBackend:
         kv_cache_gb: float = 1.0,
         gpu_memory_utilization: float = 0.3,
         export_weights: Callable[[Path], None] | None = None,
+        named_weights: Callable[[], Iterable[tuple[str, Any]]] | None = None,
+        transport: str = "shm",
     ):
         self.model_path = str(model_path)
         self.eos_token_id = int(eos_token_id)
         self.export_weights = export_weights
+        self.named_weights = named_weights
+        self.transport = transport
+        self._shm = None  # the shared-memory segment the in-memory sync reuses
+        self.max_live_episodes: int | None = None  # episodes the KV cache holds at once (None: no cap)
         self.sync_time_s = 0.0
         self.syncs = 0
         self._llm = None
@@ -154,7 +213,10 @@ class VLLMBackend:
                 kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
             else:
                 kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-            self._llm = LLM(**kwargs)
+            from tasks.console import engine_log_path, redirect_fds
+
+            with redirect_fds(engine_log_path()):  # the engine processes inherit these fds: their output -> run log
+                self._llm = LLM(**kwargs)
         finally:
             for k, v in saved.items():
                 if v is None:
@@ -163,6 +225,7 @@ class VLLMBackend:
                     os.environ[k] = v
         self.start_time_s = time.time() - t0
         self.max_model_len = max_model_len
+        self.dtype = str(self._llm.llm_engine.model_config.dtype).removeprefix("torch.")
 
     # -- generation ---------------------------------------------------------------------------------------
     def _sampling(self, params: SamplingParams, seed: int | None = None):
@@ -219,23 +282,87 @@ class VLLMBackend:
         self._llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         return time.time() - t0
 
-    def sync_weights(self) -> None:
-        """Export the learner's weights to a temp folder and reload them into the running engine."""
-        if self.export_weights is None:
-            raise RuntimeError("VLLMBackend.sync_weights needs export_weights (a learner's save_weights)")
+    def push_weights(self, named, transport: str = "shm") -> float:
+        """Load ``(hf_name, tensor)`` pairs into the running engine, in memory: each tensor is cast to the
+        engine's dtype here, then handed over either through a shared-memory segment (``shm``: one copy in,
+        the worker reads views) or inside the RPC message (``rpc``: pickled). Returns seconds taken."""
+        import torch
+
         t0 = time.time()
-        tmp = Path(tempfile.mkdtemp(prefix="vllm-sync-"))
-        try:
-            self.export_weights(tmp)
-            self.load_weights(tmp)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        dt = getattr(torch, self.dtype)
+        if transport == "rpc":
+            name_of = str(dt).removeprefix("torch.")
+            records = []
+            for n, t in named:
+                t = t.detach().to("cpu", dt).contiguous()
+                records.append((n, name_of, tuple(t.shape), t.view(torch.uint8).numpy().tobytes()))
+            self._llm.collective_rpc("load_named_tensors", args=(records,))
+        elif transport == "shm":
+            self._push_shm(named, dt)
+        else:
+            raise ValueError(f"unknown weight transport {transport!r}: shm or rpc")
+        self._llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        return time.time() - t0
+
+    def _push_shm(self, named, dt) -> None:
+        """Copy (and cast) the tensors into one shared-memory segment, kept for the next sync (its pages stay
+        mapped in both processes: no page faults, no allocation per sync), and have the worker load from it."""
+        import torch
+
+        named = [(n, t.detach()) for n, t in named]
+        esize = torch.empty((), dtype=dt).element_size()
+        layout, off = [], 0
+        for n, t in named:
+            layout.append((n, str(dt).removeprefix("torch."), tuple(t.shape), off))
+            off += (t.numel() * esize + 63) // 64 * 64  # 64-byte aligned views
+        if self._shm is None or self._shm.size < off:
+            self._free_shm()
+            from multiprocessing import shared_memory
+
+            self._shm = shared_memory.SharedMemory(create=True, size=max(off, 1))
+        t0 = time.time()
+        flat = torch.frombuffer(self._shm.buf, dtype=torch.uint8)
+        for (n, t), (_, _, shape, o) in zip(named, layout):
+            flat[o:o + t.numel() * esize].view(dt).view(shape).copy_(t)  # casts to the engine dtype
+        del flat
+        t1 = time.time()
+        self._llm.collective_rpc("load_shared_weights", args=(self._shm.name, layout))
+        self.last_push = {"copy_s": t1 - t0, "rpc_s": time.time() - t1}
+
+    def _free_shm(self) -> None:
+        shm, self._shm = self._shm, None
+        if shm is not None:
+            try:
+                shm.close()
+            except BufferError:  # a view is still alive somewhere: the mapping goes with the process
+                pass
+            shm.unlink()
+
+    def sync_weights(self) -> None:
+        """Hand the learner's weights to the running engine: in memory when the backend has ``named_weights``
+        (the learner's ``(name, tensor)`` pairs), else exported to a temp folder and reloaded from it."""
+        t0 = time.time()
+        if self.named_weights is not None:
+            self.push_weights(self.named_weights(), self.transport)
+        elif self.export_weights is not None:
+            tmp = Path(tempfile.mkdtemp(prefix="vllm-sync-"))
+            try:
+                self.export_weights(tmp)
+                self.load_weights(tmp)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            raise RuntimeError("VLLMBackend.sync_weights needs named_weights or export_weights (from a learner)")
         self.sync_time_s = time.time() - t0
         self.syncs += 1
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def close(self) -> None:
         llm, self._llm = self._llm, None
+        try:
+            self._free_shm()
+        except Exception:  # noqa: BLE001
+            pass
         if llm is None:
             return
         try:
@@ -278,10 +405,62 @@ def export_fn(learner) -> Callable[[Path], None] | None:
     return save
 
 
-def backend_for(cfg, model_dir: str, tokenizer, learner=None) -> VLLMBackend:
-    """The phase's engine for a ``RunConfig`` (``cfg.rollout`` / ``cfg.model``)."""
+def named_weights_fn(learner) -> Callable[[], Iterable[tuple[str, Any]]] | None:
+    """How to read a learner's current weights as ``(hf_name, tensor)`` pairs in this process, for the in-memory
+    sync; None when its model lives in other processes (multi-rank DeepSpeed), which then syncs through a folder."""
+    if learner is None or getattr(learner, "model", None) is None:
+        return None
+    full = getattr(learner, "_full_state_dict", None)
+    if full is not None:  # in-process DeepSpeed (ZeRO-3 gathers its shards)
+        if getattr(learner, "world_size", 1) != 1:
+            return None
+        return lambda: full().items()
+    return lambda: learner.model.named_parameters()
+
+
+def model_kv_bytes_per_token(model_dir: str, dtype: str) -> int:
+    """KV cache bytes per token of an HF model folder's architecture in the engine's dtype."""
+    import json
+
+    from core.kvcache import kv_bytes_per_token
+
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    c = c.get("text_config", c)
+    heads = int(c["num_attention_heads"])
+    head_dim = int(c.get("head_dim") or int(c["hidden_size"]) // heads)
+    return kv_bytes_per_token(int(c["num_hidden_layers"]), int(c.get("num_key_value_heads") or heads), head_dim,
+                              4 if dtype == "float32" else 2)
+
+
+def kv_plan_for(cfg, model_dir: str, dtype: str):
+    """The KV cache for a ``RunConfig``: sized for its largest batch (a training step's episodes or the
+    evaluation's, capped by ``rollout.max_live_episodes``) at ``rollout.token_budget`` tokens each, within
+    ``rollout.vllm_kv_budget_gb``; ``rollout.vllm_kv_cache_gb`` fixes the size instead."""
+    from core.kvcache import GiB, plan_kv_cache
+
     r = cfg.rollout
-    return VLLMBackend(model_dir, tokenizer.eos_token_id, dtype=resolve_vllm_dtype(r.vllm_dtype),
-                       enforce_eager=r.vllm_enforce_eager,
-                       max_model_len=r.token_budget + 1, seed=cfg.seed, threads=cfg.model.threads,
-                       kv_cache_gb=r.vllm_kv_cache_gb, export_weights=export_fn(learner))
+    episodes = max(r.tasks_per_step * r.samples_per_task, cfg.eval.n)
+    if r.max_live_episodes is not None:
+        episodes = min(episodes, r.max_live_episodes)
+    fixed = None if r.vllm_kv_cache_gb is None else int(r.vllm_kv_cache_gb * GiB)
+    return plan_kv_cache(episodes, r.token_budget + 1, model_kv_bytes_per_token(model_dir, dtype),
+                         int(r.vllm_kv_budget_gb * GiB), fixed_bytes=fixed)
+
+
+def backend_for(cfg, model_dir: str, tokenizer, learner=None) -> VLLMBackend:
+    """The phase's engine for a ``RunConfig`` (``cfg.rollout`` / ``cfg.model``), its KV cache sized from the batch."""
+    from core.kvcache import GiB
+
+    r = cfg.rollout
+    dtype = resolve_vllm_dtype(r.vllm_dtype)
+    plan = kv_plan_for(cfg, model_dir, dtype)
+    backend = VLLMBackend(model_dir, tokenizer.eos_token_id, dtype=dtype, enforce_eager=r.vllm_enforce_eager,
+                          max_model_len=r.token_budget + 1, seed=cfg.seed, threads=cfg.model.threads,
+                          kv_cache_gb=plan.cache_bytes / GiB, export_weights=export_fn(learner),
+                          named_weights=named_weights_fn(learner))
+    if plan.capped and is_cpu_build():
+        backend.max_live_episodes = plan.live_cap
+        print(f"warning: the KV cache ({plan.cache_bytes / GiB:.2f} GiB) holds {plan.fits} episodes of "
+              f"{r.token_budget} tokens, not {plan.episodes}: at most {plan.live_cap} run at once (raise "
+              f"rollout.vllm_kv_budget_gb to run more)", flush=True)
+    return backend
