@@ -438,6 +438,8 @@ def scalinginter(config: RunConfig | None = None, env: str = "babyai", preset: s
 
 
 def summary_table(summary: dict[str, Any], cfg: RunConfig) -> str:
+    from core.trajview import viewer_url
+
     b, a = summary.get("eval_before") or {}, summary.get("eval_after") or {}
     rows = [("success rate", "success_rate"), ("mean reward", "mean_reward"), ("mean turns", "mean_turns")]
     title = f"held-out {cfg.env.name} tasks (n={cfg.eval.n}, greedy, {cfg.eval_turn_limit} turns)"
@@ -447,5 +449,6 @@ def summary_table(summary: dict[str, Any], cfg: RunConfig) -> str:
         av = f"{a[key]:.3f}" if key in a else "-"
         lines.append(f"{label:<14}{bv:>10}{av:>10}")
     lines += [f"MLflow run id:    {summary['mlflow_run_id']}  ({summary['mlflow_uri']})",
-              f"final checkpoint: {summary['final_checkpoint']}", ""]
+              f"final checkpoint: {summary['final_checkpoint']}",
+              f"trajectories:     {viewer_url(cfg.run_name)}  (scalinginter view --runs-dir {cfg.output_dir})", ""]
     return "\n".join(lines)

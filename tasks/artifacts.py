@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 from core.compare import markdown_table
+from core.trajview import viewer_url
 
 
 def artifact_key(*parts: str) -> str:
@@ -26,7 +27,8 @@ def phase_markdown(run_name: str, phase: int, n_phases: int, turn_limit: int, st
             ("steps", f"{steps_done}/{steps} (global step {global_step})"),
             ("reward (last step)", f("mean_reward")), ("success (last step)", f("success_rate")),
             ("turns (last step)", f("mean_turns", ".2f")), ("checkpoint URI", f"`{checkpoint_uri}`"),
-            ("MLflow run", mlflow_run_id or "-")]
+            ("MLflow run", mlflow_run_id or "-"),
+            ("trajectories", f"{viewer_url(run_name)} (serve it: `scalinginter view --runs-dir OUTPUT_DIR`)")]
     head = f"# ScalingInter {run_name}: phase {phase}\n\n" + (f"{note}\n\n" if note else "")
     return head + markdown_table(rows, ("", "value"))
 
