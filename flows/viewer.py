@@ -595,13 +595,13 @@ def render_conversation(ep: dict[str, Any], compact: bool = False) -> str:
         elif t.action:
             badges += f' <span class="badge action-name">action: {escape(t.action)}</span>'
         seen = ("" if t.seen is None else
-                f'<div class="msg obs"><div class="who">observation</div><pre class="observation">{escape(t.seen)}</pre></div>')
+                f'<div class="msg obs"><div class="who">observation</div><pre class="observation">\n{escape(t.seen)}</pre></div>')
         out.append(f'<div class="turn" data-turn="{t.index}"><div class="turn-head">turn {t.index} {badges}</div>'
                    f'{seen}<div class="msg reply"><div class="who">model</div>'
-                   f'<pre class="reply">{render_reply(t.reply, t.action)}</pre></div></div>')
+                   f'<pre class="reply">\n{render_reply(t.reply, t.action)}</pre></div></div>')
     if turns and turns[-1].observation_after is not None:
         out.append('<div class="turn final"><div class="msg obs"><div class="who">last observation</div>'
-                   f'<pre class="observation">{escape(turns[-1].observation_after)}</pre></div></div>')
+                   f'<pre class="observation">\n{escape(turns[-1].observation_after)}</pre></div></div>')
     return "".join(out) or "<p>No turns.</p>"
 
 
