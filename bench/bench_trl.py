@@ -80,11 +80,14 @@ def run_ours(steps: int, engine: str) -> dict:
     learner = TorchLearner(path, LearnerConfig(lr=LR, kl_coef=KL, micro_batch_size=MICRO, bf16_autocast=bf16,
                                                temperature=1.0), reference_path=path)
     if engine == "vllm":
-        from tasks.backends.vllm_backend import VLLMBackend, export_fn
+        from tasks.backends.vllm_backend import VLLMBackend, export_fn, named_weights_fn
 
         # KV cache sized to the workload: 32 sequences x ~210 tokens x ~46 KB (fp32) ~ 0.3 GiB
+        # weight sync in memory (the default), or through an HF folder with --sync disk (the old path)
+        memory = os.environ.get("BENCH_TRL_SYNC", "memory") == "memory"
         backend = VLLMBackend(path, tok.eos_token_id, dtype=resolve_vllm_dtype(None), enforce_eager=True,
-                              max_model_len=1024, seed=0, kv_cache_gb=0.5, export_weights=export_fn(learner))
+                              max_model_len=1024, seed=0, kv_cache_gb=0.5, export_weights=export_fn(learner),
+                              named_weights=named_weights_fn(learner) if memory else None)
     else:
         backend = TransformersBackend(learner.model, tok.eos_token_id, tok.eos_token_id, 32, bf16)
     data = babyai_prompts(PROMPTS * steps)
@@ -230,9 +233,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="training steps per side (the first is not timed)")
     ap.add_argument("--only", default="ours,trl")
     ap.add_argument("--engine", choices=["vllm", "transformers"], default="vllm", help="our generation backend")
+    ap.add_argument("--sync", choices=["memory", "disk"], default=None,
+                    help="vLLM weight sync: in memory (default) or through an HF folder (the old path)")
     ap.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.sync:  # read by the "ours" child process
+        os.environ["BENCH_TRL_SYNC"] = a.sync
     if a.steps < 2:
         ap.error("--steps must be >= 2 (the first step is warm-up)")
     if a.worker:
