@@ -145,7 +145,7 @@ def test_webarena_config_path(tmp_path, monkeypatch):
     from envs.web.sites.server import SiteServer
 
     srv = SiteServer.shared()
-    monkeypatch.setenv("WA_SHOPPING", srv.site_url("fixedkey", "shop"))
+    monkeypatch.setenv("WA_SHOPPING", srv.site_url(srv.new_episode(), "shop"))
     monkeypatch.delenv("SI_JUDGE_URL", raising=False)
     base = {"sites": ["shopping"], "require_login": False, "storage_state": None, "start_url": "__SHOPPING__/",
             "geolocation": None, "intent_template": "", "instantiation_dict": {}, "require_reset": False}

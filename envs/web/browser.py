@@ -10,6 +10,10 @@ drive the browser (Playwright objects are bound to the loop that made them). Env
   extra tabs, clears cookies and parks the context; a context is retired after ``episodes_per_context``
   episodes (memory stays flat), and a broken one (page crash, timeout, closed target) is closed, not reused.
 - If Chromium itself dies, the next ``acquire`` launches a new one.
+- Every network request of a context (navigations, sub-resources, fetches, form posts) goes through a filter:
+  it continues only when the leasing env's ``lease.data["allow"](url)`` says yes, and is aborted otherwise
+  (also between episodes, when no env holds the context). Playwright does not show a navigation's redirect
+  hops to the filter; the env checks where the page landed after every action and sends it back.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ class Lease:
     broken: bool = False
     released: bool = False
     data: dict[str, Any] = field(default_factory=dict)
+    blocked_requests: int = 0  # requests the filter aborted (see ``BrowserPool._guard``)
 
 
 class BrowserPool:
@@ -178,6 +183,7 @@ class BrowserPool:
                     self._discard(cand)
             if lease is None:
                 lease = Lease(self.run(self._new_context(), 90), self)
+                self.run(self._guard(lease), 30)
             lease.released = False
             lease.episodes += 1
             with self._lock:
@@ -186,6 +192,23 @@ class BrowserPool:
         except BaseException:
             self._sem.release()
             raise
+
+    async def _guard(self, lease: Lease) -> None:
+        async def check(route: Any) -> None:
+            url = route.request.url
+            allow = lease.data.get("allow")
+            try:
+                ok = bool(allow and allow(url))
+            except Exception:  # noqa: BLE001  (a check that fails refuses)
+                ok = False
+            if ok:
+                await route.continue_()
+            else:
+                lease.blocked_requests += 1
+                log.info("blocked a request outside the allowed sites: %s", url[:200])
+                await route.abort("blockedbyclient")
+
+        await lease.context.route("**/*", check)
 
     def _alive(self, lease: Lease) -> bool:
         try:
@@ -205,6 +228,7 @@ class BrowserPool:
         if lease.released:
             return
         lease.released = True
+        lease.data.pop("allow", None)  # parked: no request passes until the next env sets its check
         with self._lock:
             self._leased.discard(lease)
         try:

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import logging
 from typing import Any, Optional
-from urllib.parse import urljoin
 
 from envs.base import StepResult
 from envs.web.a11y import ID_ATTR, SNAPSHOT_JS, Snapshot, format_tree
 from envs.web.actions import USAGE, Action, parse_action
 from envs.web.browser import BrowserPool, Lease
+from envs.web.urls import normalize_url
 
 log = logging.getLogger("envs.web")
 
@@ -87,7 +87,14 @@ class BrowserEpisodeEnv:
         raise NotImplementedError
 
     def allowed(self, url: str) -> bool:
+        """Whether a canonical URL (``envs.web.urls.normalize_url``) is inside the task's sites."""
         return True
+
+    def url_allowed(self, url: str) -> bool:
+        """The allow check on any URL: normalised first (dot segments, backslashes, scheme, host, port), so
+        ``allowed`` only ever sees canonical URLs. The browser's request filter calls this for every request."""
+        canon = normalize_url(url)
+        return canon is not None and self.allowed(canon)
 
     def allowed_description(self) -> str:
         return "the task's sites"
@@ -99,6 +106,7 @@ class BrowserEpisodeEnv:
     def reset(self, data_idx: int) -> tuple[str, dict[str, Any]]:
         self._release()
         self._lease = self.pool.acquire()
+        self._lease.data["allow"] = self.url_allowed  # every request of the context passes this check
         self._active = 0
         self._prev, self._turn, self._done, self._started = "None", 0, False, True
         try:
@@ -229,10 +237,10 @@ class BrowserEpisodeEnv:
             self._active = len(ctx.pages) - 1
         page = await self.page()
         await self._settle(page)
-        if not self.allowed(page.url):
+        if not self.url_allowed(page.url):
             blocked = page.url
             try:
-                if before and before != "about:blank" and self.allowed(before):
+                if before and before != "about:blank" and self.url_allowed(before):
                     await page.goto(before, wait_until="load")
                 else:
                     await page.goto("about:blank")
@@ -283,9 +291,10 @@ class BrowserEpisodeEnv:
         elif k == "scroll":
             await page.evaluate("d => window.scrollBy(0, d * window.innerHeight * 0.8)", -1 if act.text == "up" else 1)
         elif k == "goto":
-            url = urljoin(page.url, act.text or "") if page.url.startswith("http") else (act.text or "")
-            if not self.allowed(url):
-                raise ActionFailed(f"{url} is outside the allowed sites ({self.allowed_description()})")
+            url = normalize_url(act.text or "", base=page.url)  # what is checked is what the browser loads
+            if url is None or not self.allowed(url):
+                raise ActionFailed(f"{(act.text or '')[:200]} is outside the allowed sites "
+                                   f"({self.allowed_description()})")
             await page.goto(url, wait_until="load")
         elif k == "go_back":
             await page.go_back(wait_until="load")

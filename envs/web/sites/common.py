@@ -2,7 +2,28 @@
 
 from __future__ import annotations
 
+import re
+import uuid
 from html import escape
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+
+# The only form of episode key the site server issues (``new_key``); any other path segment is a 404, so nothing
+# a URL carries in that segment (quotes, markup, dot segments) ever reaches a page.
+KEY_RE = re.compile(r"[0-9a-f]{12}")
+
+
+def new_key() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def episode_base(request: Request, site: str) -> str:
+    """``/e/<key>/<site>`` for links on a page: the key checked against the issued form (404 otherwise), escaped."""
+    key = request.path_params.get("key", "")
+    if not isinstance(key, str) or not KEY_RE.fullmatch(key):
+        raise HTTPException(404, "no such episode")
+    return f"/e/{e(key)}/{site}"
 
 
 def e(x: object) -> str:

@@ -10,10 +10,10 @@ import copy
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, RedirectResponse
+from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from envs.web.sites.common import e, page
+from envs.web.sites.common import e, episode_base, page
 
 USER = "alex"
 FORUMS = {
@@ -71,7 +71,7 @@ def fresh_state() -> dict[str, Any]:
 
 
 def _base(request: Request) -> str:
-    return f"/e/{request.path_params['key']}/forum"
+    return episode_base(request, "forum")
 
 
 def _nav(request: Request) -> str:
@@ -104,105 +104,115 @@ def _post_list(b: str, posts: list[dict[str, Any]]) -> str:
     return f"<ol>{rows}</ol>"
 
 
+# --- pages (one function per route) ---------------------------------------------------------------------
+async def _front(request: Request, st: dict[str, Any]) -> Response:
+    top = sorted(st["posts"].values(), key=lambda p: (-p["score"], p["id"]))[:5]
+    return _html(request, "Front page", "<h1>Front page</h1><h2>Top posts</h2>" + _post_list(_base(request), top))
+
+
+async def _forum(request: Request, st: dict[str, Any]) -> Response:
+    name = request.path_params["name"]
+    if name not in FORUMS:
+        return _html(request, "Not found", "<h1>Forum not found</h1>")
+    b = _base(request)
+    posts = sorted((p for p in st["posts"].values() if p["forum"] == name), key=lambda p: (-p["score"], p["id"]))
+    body = (f"<h1>{e(FORUMS[name])}</h1><p><a href='{b}/f/{name}/submit'>New post</a></p>"
+            + _post_list(b, posts))
+    return _html(request, FORUMS[name], body)
+
+
+async def _submit(request: Request, st: dict[str, Any]) -> Response:
+    name = request.path_params["name"]
+    if name not in FORUMS:
+        return _html(request, "Not found", "<h1>Forum not found</h1>")
+    b = _base(request)
+    err = ""
+    if request.method == "POST":
+        form = await request.form()
+        title, body = str(form.get("title", "")).strip(), str(form.get("body", "")).strip()
+        if title:
+            pid = st["next_post"]
+            st["next_post"] += 1
+            st["posts"][pid] = {"id": pid, "forum": name, "title": title, "author": USER, "score": 1,
+                                "body": body, "comments": [], "vote": 1}
+            return RedirectResponse(f"{b}/post/{pid}", status_code=303)
+        err = "<p role='alert'>A post needs a title.</p>"
+    form = (
+        f"<form action='{b}/f/{name}/submit' method='post'>"
+        "<p><label for='title'>Title</label> <input id='title' name='title'></p>"
+        "<p><label for='body'>Body</label> <textarea id='body' name='body'></textarea></p>"
+        "<button type='submit'>Create post</button></form>"
+    )
+    return _html(request, "New post", f"<h1>New post in {e(FORUMS[name])}</h1>{err}{form}")
+
+
+async def _post(request: Request, st: dict[str, Any]) -> Response:
+    p = st["posts"].get(int(request.path_params["pid"]))
+    if p is None:
+        return _html(request, "Not found", "<h1>Post not found</h1>")
+    b = _base(request)
+    comments = "".join(f"<li>{e(c['author'])}: {e(c['text'])}</li>" for c in p["comments"]) or "<li>No comments yet.</li>"
+    body = (
+        f"<h1>{e(p['title'])}</h1><p>Posted by <a href='{b}/u/{p['author']}'>{e(p['author'])}</a> in "
+        f"<a href='{b}/f/{p['forum']}'>{e(FORUMS[p['forum']])}</a></p>"
+        f"<p id='score'>{p['score']} points</p>{_vote_buttons(b, p)}<p>{e(p['body'])}</p>"
+        f"<h2>{len(p['comments'])} comments</h2><ul id='comments'>{comments}</ul>"
+        f"<form action='{b}/post/{p['id']}/comment' method='post'>"
+        "<label for='comment'>Your comment</label> <textarea id='comment' name='text'></textarea> "
+        "<button type='submit'>Post comment</button></form>"
+    )
+    return _html(request, p["title"], body)
+
+
+async def _vote(request: Request, st: dict[str, Any]) -> Response:
+    p = st["posts"].get(int(request.path_params["pid"]))
+    b = _base(request)
+    if p is None:
+        return RedirectResponse(f"{b}/", status_code=303)
+    form = await request.form()
+    d = {"up": 1, "down": -1}.get(str(form.get("dir", "")), 0)
+    if d:
+        new = 0 if p["vote"] == d else d
+        p["score"] += new - p["vote"]
+        p["vote"] = new
+    return RedirectResponse(f"{b}/post/{p['id']}", status_code=303)
+
+
+async def _comment(request: Request, st: dict[str, Any]) -> Response:
+    p = st["posts"].get(int(request.path_params["pid"]))
+    b = _base(request)
+    if p is None:
+        return RedirectResponse(f"{b}/", status_code=303)
+    form = await request.form()
+    text = str(form.get("text", "")).strip()
+    if text:
+        p["comments"].append({"id": st["next_comment"], "author": USER, "text": text})
+        st["next_comment"] += 1
+    return RedirectResponse(f"{b}/post/{p['id']}", status_code=303)
+
+
+async def _user(request: Request, st: dict[str, Any]) -> Response:
+    name = request.path_params["name"]
+    posts = sorted((p for p in st["posts"].values() if p["author"] == name), key=lambda p: p["id"])
+    return _html(request, name, f"<h1>Posts by {e(name)}</h1>" + _post_list(_base(request), posts))
+
+
 def make_routes(get_state) -> list[Route]:
-    async def front(request: Request):
-        st = get_state(request)
-        top = sorted(st["posts"].values(), key=lambda p: (-p["score"], p["id"]))[:5]
-        return _html(request, "Front page", "<h1>Front page</h1><h2>Top posts</h2>" + _post_list(_base(request), top))
+    """Routes of the forum; ``get_state(request)`` returns the episode's state dict (404 for a key the env did not
+    issue). Each page is a module-level ``async (request, state) -> Response`` function."""
 
-    async def forum(request: Request):
-        st = get_state(request)
-        name = request.path_params["name"]
-        if name not in FORUMS:
-            return _html(request, "Not found", "<h1>Forum not found</h1>")
-        b = _base(request)
-        posts = sorted((p for p in st["posts"].values() if p["forum"] == name), key=lambda p: (-p["score"], p["id"]))
-        body = (f"<h1>{e(FORUMS[name])}</h1><p><a href='{b}/f/{name}/submit'>New post</a></p>"
-                + _post_list(b, posts))
-        return _html(request, FORUMS[name], body)
+    def page(handler):
+        async def endpoint(request: Request) -> Response:
+            return await handler(request, get_state(request))
 
-    async def submit(request: Request):
-        st = get_state(request)
-        name = request.path_params["name"]
-        if name not in FORUMS:
-            return _html(request, "Not found", "<h1>Forum not found</h1>")
-        b = _base(request)
-        err = ""
-        if request.method == "POST":
-            form = await request.form()
-            title, body = str(form.get("title", "")).strip(), str(form.get("body", "")).strip()
-            if title:
-                pid = st["next_post"]
-                st["next_post"] += 1
-                st["posts"][pid] = {"id": pid, "forum": name, "title": title, "author": USER, "score": 1,
-                                    "body": body, "comments": [], "vote": 1}
-                return RedirectResponse(f"{b}/post/{pid}", status_code=303)
-            err = "<p role='alert'>A post needs a title.</p>"
-        form = (
-            f"<form action='{b}/f/{name}/submit' method='post'>"
-            "<p><label for='title'>Title</label> <input id='title' name='title'></p>"
-            "<p><label for='body'>Body</label> <textarea id='body' name='body'></textarea></p>"
-            "<button type='submit'>Create post</button></form>"
-        )
-        return _html(request, "New post", f"<h1>New post in {e(FORUMS[name])}</h1>{err}{form}")
-
-    async def post(request: Request):
-        st = get_state(request)
-        p = st["posts"].get(int(request.path_params["pid"]))
-        if p is None:
-            return _html(request, "Not found", "<h1>Post not found</h1>")
-        b = _base(request)
-        comments = "".join(f"<li>{e(c['author'])}: {e(c['text'])}</li>" for c in p["comments"]) or "<li>No comments yet.</li>"
-        body = (
-            f"<h1>{e(p['title'])}</h1><p>Posted by <a href='{b}/u/{p['author']}'>{e(p['author'])}</a> in "
-            f"<a href='{b}/f/{p['forum']}'>{e(FORUMS[p['forum']])}</a></p>"
-            f"<p id='score'>{p['score']} points</p>{_vote_buttons(b, p)}<p>{e(p['body'])}</p>"
-            f"<h2>{len(p['comments'])} comments</h2><ul id='comments'>{comments}</ul>"
-            f"<form action='{b}/post/{p['id']}/comment' method='post'>"
-            "<label for='comment'>Your comment</label> <textarea id='comment' name='text'></textarea> "
-            "<button type='submit'>Post comment</button></form>"
-        )
-        return _html(request, p["title"], body)
-
-    async def vote(request: Request):
-        st = get_state(request)
-        p = st["posts"].get(int(request.path_params["pid"]))
-        b = _base(request)
-        if p is None:
-            return RedirectResponse(f"{b}/", status_code=303)
-        form = await request.form()
-        d = {"up": 1, "down": -1}.get(str(form.get("dir", "")), 0)
-        if d:
-            new = 0 if p["vote"] == d else d
-            p["score"] += new - p["vote"]
-            p["vote"] = new
-        return RedirectResponse(f"{b}/post/{p['id']}", status_code=303)
-
-    async def comment(request: Request):
-        st = get_state(request)
-        p = st["posts"].get(int(request.path_params["pid"]))
-        b = _base(request)
-        if p is None:
-            return RedirectResponse(f"{b}/", status_code=303)
-        form = await request.form()
-        text = str(form.get("text", "")).strip()
-        if text:
-            p["comments"].append({"id": st["next_comment"], "author": USER, "text": text})
-            st["next_comment"] += 1
-        return RedirectResponse(f"{b}/post/{p['id']}", status_code=303)
-
-    async def user(request: Request):
-        st = get_state(request)
-        name = request.path_params["name"]
-        posts = sorted((p for p in st["posts"].values() if p["author"] == name), key=lambda p: p["id"])
-        return _html(request, name, f"<h1>Posts by {e(name)}</h1>" + _post_list(_base(request), posts))
+        return endpoint
 
     return [
-        Route("/", front),
-        Route("/f/{name}", forum),
-        Route("/f/{name}/submit", submit, methods=["GET", "POST"]),
-        Route("/post/{pid:int}", post),
-        Route("/post/{pid:int}/vote", vote, methods=["POST"]),
-        Route("/post/{pid:int}/comment", comment, methods=["POST"]),
-        Route("/u/{name}", user),
+        Route("/", page(_front)),
+        Route("/f/{name}", page(_forum)),
+        Route("/f/{name}/submit", page(_submit), methods=["GET", "POST"]),
+        Route("/post/{pid:int}", page(_post)),
+        Route("/post/{pid:int}/vote", page(_vote), methods=["POST"]),
+        Route("/post/{pid:int}/comment", page(_comment), methods=["POST"]),
+        Route("/u/{name}", page(_user)),
     ]

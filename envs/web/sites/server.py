@@ -5,8 +5,9 @@
     srv.site_url(key, "shop")          # -> http://127.0.0.1:PORT/e/<key>/shop
     srv.drop_episode(key)              # forget the state
 
-State is created lazily on the first request of a key and kept in memory; at most ``max_episodes`` keys
-are kept (oldest dropped first), so episodes whose env vanished cannot leak memory.
+Only keys the env issued (``new_episode``) have state: a request for any other key is a 404, so a page cannot
+mint episodes. A site's state is created on the first request of an issued key and kept in memory; at most
+``max_episodes`` keys are kept (oldest dropped first), so episodes whose env vanished cannot leak memory.
 """
 
 from __future__ import annotations
@@ -15,17 +16,18 @@ import logging
 import socket
 import threading
 import time
-import uuid
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Mount, Route
 
 from envs.web.sites import forum, shop
+from envs.web.sites.common import KEY_RE, new_key
 
 log = logging.getLogger("envs.web.sites")
 SITES = {"shop": shop, "forum": forum}
@@ -39,15 +41,23 @@ class EpisodeStore:
         self._lock = threading.Lock()
         self._states: OrderedDict[str, dict[str, Any]] = OrderedDict()
 
-    def get(self, key: str, site: str) -> dict[str, Any]:
+    def issue(self, key: str) -> None:
+        """Make ``key`` an episode (state for its sites is created on first use)."""
+        if not KEY_RE.fullmatch(key):
+            raise ValueError(f"episode keys are 12 lower-case hex digits, got {key!r}")
+        with self._lock:
+            self._states.setdefault(key, {})
+            self._states.move_to_end(key)
+            while len(self._states) > self.max_episodes:
+                self._states.popitem(last=False)
+
+    def get(self, key: str, site: str) -> dict[str, Any] | None:
+        """The state of ``site`` in episode ``key``, or None when the key was never issued (or was dropped)."""
         with self._lock:
             ep = self._states.get(key)
             if ep is None:
-                ep = self._states[key] = {}
-                while len(self._states) > self.max_episodes:
-                    self._states.popitem(last=False)
-            else:
-                self._states.move_to_end(key)
+                return None
+            self._states.move_to_end(key)
             if site not in ep:
                 ep[site] = SITES[site].fresh_state()
             return ep[site]
@@ -74,7 +84,10 @@ def create_site_app(store: EpisodeStore) -> Starlette:
     for name, mod in SITES.items():
 
         def getter(request: Request, _name: str = name) -> dict[str, Any]:
-            return store.get(request.path_params["key"], _name)
+            state = store.get(request.path_params["key"], _name)
+            if state is None:
+                raise HTTPException(404, "no such episode")
+            return state
 
         routes.append(Mount(f"/e/{{key}}/{name}", routes=mod.make_routes(getter)))
     html = miniwob_html_dir()
@@ -126,7 +139,9 @@ class SiteServer:
         return f"http://{self.host}:{self.port}"
 
     def new_episode(self) -> str:
-        return uuid.uuid4().hex[:12]
+        key = new_key()
+        self.store.issue(key)
+        return key
 
     def site_url(self, key: str, site: str) -> str:
         if site not in SITES:

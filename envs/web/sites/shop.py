@@ -10,10 +10,10 @@ import copy
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, RedirectResponse
+from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from envs.web.sites.common import e, money, page
+from envs.web.sites.common import e, episode_base, money, page
 
 CATEGORIES = {
     "kitchen": "Kitchen",
@@ -78,7 +78,7 @@ def fresh_state() -> dict[str, Any]:
 
 # --- pages ---------------------------------------------------------------------------------------------------
 def _base(request: Request) -> str:
-    return f"/e/{request.path_params['key']}/shop"
+    return episode_base(request, "shop")
 
 
 def _nav(request: Request, state: dict[str, Any]) -> str:
@@ -102,151 +102,159 @@ def _html(request: Request, state: dict[str, Any], title: str, body: str) -> HTM
     return HTMLResponse(page(f"{title} - One Stop Shop", _nav(request, state), body))
 
 
-def make_routes(get_state) -> list[Route]:
-    """Routes of the shop; ``get_state(request)`` returns the episode's state dict (created on first use)."""
+# --- pages (one function per route) ---------------------------------------------------------------------
+async def _home(request: Request, st: dict[str, Any]) -> Response:
+    b = _base(request)
+    cats = "".join(f"<li><a href='{b}/category/{k}'>{e(v)}</a></li>" for k, v in CATEGORIES.items())
+    return _html(request, st, "Home", f"<h1>One Stop Shop</h1><h2>Categories</h2><ul>{cats}</ul>")
 
-    async def home(request: Request):
-        st = get_state(request)
-        b = _base(request)
-        cats = "".join(f"<li><a href='{b}/category/{k}'>{e(v)}</a></li>" for k, v in CATEGORIES.items())
-        return _html(request, st, "Home", f"<h1>One Stop Shop</h1><h2>Categories</h2><ul>{cats}</ul>")
 
-    async def category(request: Request):
-        st = get_state(request)
-        slug = request.path_params["slug"]
-        if slug not in CATEGORIES:
-            return _html(request, st, "Not found", "<h1>Category not found</h1>")
-        items = [product(p[0]) for p in PRODUCTS if p[2] == slug]
-        sort = request.query_params.get("sort", "")
-        if sort == "price":
-            items.sort(key=lambda p: p["price"])
-        b = _base(request)
-        body = (f"<h1>{e(CATEGORIES[slug])}</h1><p>{len(items)} products. "
-                f"<a href='{b}/category/{slug}?sort=price'>Sort by price</a></p>" + _product_list(b, items))
-        return _html(request, st, CATEGORIES[slug], body)
+async def _category(request: Request, st: dict[str, Any]) -> Response:
+    slug = request.path_params["slug"]
+    if slug not in CATEGORIES:
+        return _html(request, st, "Not found", "<h1>Category not found</h1>")
+    items = [product(p[0]) for p in PRODUCTS if p[2] == slug]
+    sort = request.query_params.get("sort", "")
+    if sort == "price":
+        items.sort(key=lambda p: p["price"])
+    b = _base(request)
+    body = (f"<h1>{e(CATEGORIES[slug])}</h1><p>{len(items)} products. "
+            f"<a href='{b}/category/{slug}?sort=price'>Sort by price</a></p>" + _product_list(b, items))
+    return _html(request, st, CATEGORIES[slug], body)
 
-    async def search(request: Request):
-        st = get_state(request)
-        q = request.query_params.get("q", "").strip()
-        words = q.lower().split()
-        items = [product(p[0]) for p in PRODUCTS if words and all(w in p[1].lower() for w in words)]
-        body = f"<h1>Search results for '{e(q)}'</h1>" + _product_list(_base(request), items)
-        return _html(request, st, "Search", body)
 
-    async def product_page(request: Request):
-        st = get_state(request)
-        p = product(int(request.path_params["pid"]))
-        if p is None:
-            return _html(request, st, "Not found", "<h1>Product not found</h1>")
-        b = _base(request)
-        body = (
-            f"<h1>{e(p['name'])}</h1><p>Price: {money(p['price'])}</p>"
-            f"<p>Rating: {p['rating']} out of 5 ({p['reviews']} reviews)</p><p>{e(p['description'])}</p>"
-            f"<form action='{b}/cart/add' method='post'><input type='hidden' name='pid' value='{p['id']}'>"
-            "<label for='qty'>Quantity</label> <input id='qty' type='number' name='qty' value='1' min='1'> "
-            "<button type='submit'>Add to cart</button></form>"
-            f"<p>Category: <a href='{b}/category/{p['category']}'>{e(CATEGORIES[p['category']])}</a></p>"
+async def _search(request: Request, st: dict[str, Any]) -> Response:
+    q = request.query_params.get("q", "").strip()
+    words = q.lower().split()
+    items = [product(p[0]) for p in PRODUCTS if words and all(w in p[1].lower() for w in words)]
+    body = f"<h1>Search results for '{e(q)}'</h1>" + _product_list(_base(request), items)
+    return _html(request, st, "Search", body)
+
+
+async def _product_page(request: Request, st: dict[str, Any]) -> Response:
+    p = product(int(request.path_params["pid"]))
+    if p is None:
+        return _html(request, st, "Not found", "<h1>Product not found</h1>")
+    b = _base(request)
+    body = (
+        f"<h1>{e(p['name'])}</h1><p>Price: {money(p['price'])}</p>"
+        f"<p>Rating: {p['rating']} out of 5 ({p['reviews']} reviews)</p><p>{e(p['description'])}</p>"
+        f"<form action='{b}/cart/add' method='post'><input type='hidden' name='pid' value='{p['id']}'>"
+        "<label for='qty'>Quantity</label> <input id='qty' type='number' name='qty' value='1' min='1'> "
+        "<button type='submit'>Add to cart</button></form>"
+        f"<p>Category: <a href='{b}/category/{p['category']}'>{e(CATEGORIES[p['category']])}</a></p>"
+    )
+    return _html(request, st, p["name"], body)
+
+
+async def _cart_add(request: Request, st: dict[str, Any]) -> Response:
+    form = await request.form()
+    try:
+        pid, qty = int(form.get("pid", "0")), max(1, int(form.get("qty", "1") or 1))
+    except ValueError:
+        pid, qty = 0, 1
+    if product(pid) is not None:
+        st["cart"][pid] = st["cart"].get(pid, 0) + qty
+    return RedirectResponse(f"{_base(request)}/cart", status_code=303)
+
+
+async def _cart_remove(request: Request, st: dict[str, Any]) -> Response:
+    form = await request.form()
+    try:
+        st["cart"].pop(int(form.get("pid", "0")), None)
+    except ValueError:
+        pass
+    return RedirectResponse(f"{_base(request)}/cart", status_code=303)
+
+
+async def _cart(request: Request, st: dict[str, Any]) -> Response:
+    b = _base(request)
+    if not st["cart"]:
+        return _html(request, st, "Cart", "<h1>Your cart</h1><p id='cart-empty'>Your cart is empty.</p>")
+    rows, total = [], 0
+    for pid, qty in st["cart"].items():
+        p = product(pid)
+        total += p["price"] * qty
+        rows.append(
+            f"<tr><td>{e(p['name'])}</td><td>{qty}</td><td>{money(p['price'] * qty)}</td><td>"
+            f"<form action='{b}/cart/remove' method='post'><input type='hidden' name='pid' value='{pid}'>"
+            f"<button type='submit' aria-label='Remove {e(p['name'])}'>Remove</button></form></td></tr>"
         )
-        return _html(request, st, p["name"], body)
+    body = (
+        "<h1>Your cart</h1><table id='cart'><tr><th>Product</th><th>Quantity</th><th>Subtotal</th><th></th></tr>"
+        + "".join(rows) + f"</table><p>Total: {money(total)}</p><a href='{b}/checkout'>Checkout</a>"
+    )
+    return _html(request, st, "Cart", body)
 
-    async def cart_add(request: Request):
-        st = get_state(request)
+
+async def _checkout(request: Request, st: dict[str, Any]) -> Response:
+    b = _base(request)
+    if request.method == "POST":
         form = await request.form()
-        try:
-            pid, qty = int(form.get("pid", "0")), max(1, int(form.get("qty", "1") or 1))
-        except ValueError:
-            pid, qty = 0, 1
-        if product(pid) is not None:
-            st["cart"][pid] = st["cart"].get(pid, 0) + qty
-        return RedirectResponse(f"{_base(request)}/cart", status_code=303)
-
-    async def cart_remove(request: Request):
-        st = get_state(request)
-        form = await request.form()
-        try:
-            st["cart"].pop(int(form.get("pid", "0")), None)
-        except ValueError:
-            pass
-        return RedirectResponse(f"{_base(request)}/cart", status_code=303)
-
-    async def cart(request: Request):
-        st = get_state(request)
-        b = _base(request)
-        if not st["cart"]:
-            return _html(request, st, "Cart", "<h1>Your cart</h1><p id='cart-empty'>Your cart is empty.</p>")
-        rows, total = [], 0
-        for pid, qty in st["cart"].items():
-            p = product(pid)
-            total += p["price"] * qty
-            rows.append(
-                f"<tr><td>{e(p['name'])}</td><td>{qty}</td><td>{money(p['price'] * qty)}</td><td>"
-                f"<form action='{b}/cart/remove' method='post'><input type='hidden' name='pid' value='{pid}'>"
-                f"<button type='submit' aria-label='Remove {e(p['name'])}'>Remove</button></form></td></tr>"
-            )
-        body = (
-            "<h1>Your cart</h1><table id='cart'><tr><th>Product</th><th>Quantity</th><th>Subtotal</th><th></th></tr>"
-            + "".join(rows) + f"</table><p>Total: {money(total)}</p><a href='{b}/checkout'>Checkout</a>"
-        )
-        return _html(request, st, "Cart", body)
-
-    async def checkout(request: Request):
-        st = get_state(request)
-        b = _base(request)
-        if request.method == "POST":
-            form = await request.form()
-            name, address = str(form.get("name", "")).strip(), str(form.get("address", "")).strip()
-            if not st["cart"]:
-                return _html(request, st, "Checkout", "<h1>Checkout</h1><p>Your cart is empty.</p>")
-            if not name or not address:
-                err = "<p role='alert'>Please fill in your full name and address.</p>"
-                return _html(request, st, "Checkout", "<h1>Checkout</h1>" + err + _checkout_form(b))
-            oid = st["next_order"]
-            st["next_order"] += 1
-            st["orders"].append({"id": oid, "date": "2024-07-01", "status": "Processing", "name": name,
-                                 "address": address, "items": [[pid, q] for pid, q in st["cart"].items()]})
-            st["cart"] = {}
-            return RedirectResponse(f"{b}/orders/{oid}", status_code=303)
+        name, address = str(form.get("name", "")).strip(), str(form.get("address", "")).strip()
         if not st["cart"]:
             return _html(request, st, "Checkout", "<h1>Checkout</h1><p>Your cart is empty.</p>")
-        return _html(request, st, "Checkout", "<h1>Checkout</h1>" + _checkout_form(b))
+        if not name or not address:
+            err = "<p role='alert'>Please fill in your full name and address.</p>"
+            return _html(request, st, "Checkout", "<h1>Checkout</h1>" + err + _checkout_form(b))
+        oid = st["next_order"]
+        st["next_order"] += 1
+        st["orders"].append({"id": oid, "date": "2024-07-01", "status": "Processing", "name": name,
+                             "address": address, "items": [[pid, q] for pid, q in st["cart"].items()]})
+        st["cart"] = {}
+        return RedirectResponse(f"{b}/orders/{oid}", status_code=303)
+    if not st["cart"]:
+        return _html(request, st, "Checkout", "<h1>Checkout</h1><p>Your cart is empty.</p>")
+    return _html(request, st, "Checkout", "<h1>Checkout</h1>" + _checkout_form(b))
 
-    async def orders(request: Request):
-        st = get_state(request)
-        b = _base(request)
-        rows = "".join(
-            f"<tr><td><a href='{b}/orders/{o['id']}'>Order #{o['id']}</a></td><td>{o['date']}</td>"
-            f"<td>{money(order_total(o))}</td><td>{o['status']}</td></tr>"
-            for o in sorted(st["orders"], key=lambda o: -o["id"])
-        )
-        body = ("<h1>My orders</h1><table id='orders'><tr><th>Order</th><th>Date</th><th>Total</th><th>Status</th>"
-                f"</tr>{rows}</table>")
-        return _html(request, st, "My orders", body)
 
-    async def order(request: Request):
-        st = get_state(request)
-        oid = int(request.path_params["oid"])
-        o = next((o for o in st["orders"] if o["id"] == oid), None)
-        if o is None:
-            return _html(request, st, "Not found", "<h1>Order not found</h1>")
-        items = "".join(f"<li>{e(product(pid)['name'])} x {q}</li>" for pid, q in o["items"])
-        body = (
-            f"<h1>Order #{o['id']}</h1><p>Status: {o['status']}</p><p>Date: {o['date']}</p>"
-            f"<p>Ship to: {e(o['name'])}, {e(o['address'])}</p><ul id='order-items'>{items}</ul>"
-            f"<p>Total: {money(order_total(o))}</p>"
-        )
-        return _html(request, st, f"Order #{o['id']}", body)
+async def _orders(request: Request, st: dict[str, Any]) -> Response:
+    b = _base(request)
+    rows = "".join(
+        f"<tr><td><a href='{b}/orders/{o['id']}'>Order #{o['id']}</a></td><td>{o['date']}</td>"
+        f"<td>{money(order_total(o))}</td><td>{o['status']}</td></tr>"
+        for o in sorted(st["orders"], key=lambda o: -o["id"])
+    )
+    body = ("<h1>My orders</h1><table id='orders'><tr><th>Order</th><th>Date</th><th>Total</th><th>Status</th>"
+            f"</tr>{rows}</table>")
+    return _html(request, st, "My orders", body)
+
+
+async def _order(request: Request, st: dict[str, Any]) -> Response:
+    oid = int(request.path_params["oid"])
+    o = next((o for o in st["orders"] if o["id"] == oid), None)
+    if o is None:
+        return _html(request, st, "Not found", "<h1>Order not found</h1>")
+    items = "".join(f"<li>{e(product(pid)['name'])} x {q}</li>" for pid, q in o["items"])
+    body = (
+        f"<h1>Order #{o['id']}</h1><p>Status: {o['status']}</p><p>Date: {o['date']}</p>"
+        f"<p>Ship to: {e(o['name'])}, {e(o['address'])}</p><ul id='order-items'>{items}</ul>"
+        f"<p>Total: {money(order_total(o))}</p>"
+    )
+    return _html(request, st, f"Order #{o['id']}", body)
+
+
+def make_routes(get_state) -> list[Route]:
+    """Routes of the shop; ``get_state(request)`` returns the episode's state dict (404 for a key the env did not
+    issue). Each page is a module-level ``async (request, state) -> Response`` function."""
+
+    def page(handler):
+        async def endpoint(request: Request) -> Response:
+            return await handler(request, get_state(request))
+
+        return endpoint
 
     return [
-        Route("/", home),
-        Route("/category/{slug}", category),
-        Route("/search", search),
-        Route("/product/{pid:int}", product_page),
-        Route("/cart", cart),
-        Route("/cart/add", cart_add, methods=["POST"]),
-        Route("/cart/remove", cart_remove, methods=["POST"]),
-        Route("/checkout", checkout, methods=["GET", "POST"]),
-        Route("/orders", orders),
-        Route("/orders/{oid:int}", order),
+        Route("/", page(_home)),
+        Route("/category/{slug}", page(_category)),
+        Route("/search", page(_search)),
+        Route("/product/{pid:int}", page(_product_page)),
+        Route("/cart", page(_cart)),
+        Route("/cart/add", page(_cart_add), methods=["POST"]),
+        Route("/cart/remove", page(_cart_remove), methods=["POST"]),
+        Route("/checkout", page(_checkout), methods=["GET", "POST"]),
+        Route("/orders", page(_orders)),
+        Route("/orders/{oid:int}", page(_order)),
     ]
 
 
