@@ -28,7 +28,7 @@ from flows.config import build_config
 from core.walltime import format_breakdown
 from tasks import steps as T
 from tasks import timing
-from tasks.console import quiet_console
+from tasks.console import quiet_console, restore_console
 from tasks.checkpoint_store import (
     checkpoint_exists,
     delete_checkpoint,
@@ -435,6 +435,7 @@ def scalinginter(config: RunConfig | None = None, env: str = "babyai", preset: s
         return summary
     finally:
         tracker.end_run(parent, status)
+        restore_console()
 
 
 def summary_table(summary: dict[str, Any], cfg: RunConfig) -> str:
