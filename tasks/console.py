@@ -22,6 +22,8 @@ ENV_LOG = "SCALINGINTER_ENGINE_LOG"
 LIBRARY_LOGGERS = ("vllm", "transformers", "DeepSpeed", "deepspeed", "mlflow", "alembic", "torch.distributed",
                    "httpx", "urllib3", "accelerate", "datasets", "huggingface_hub")
 _FILE_HANDLER: logging.Handler | None = None
+_SAVED_ENV: dict[str, str | None] = {}
+_SAVED_LOGGERS: list[tuple[logging.Logger, list[logging.Handler], bool]] = []
 
 
 def verbose() -> bool:
@@ -51,20 +53,21 @@ def quiet_console(run_dir: Path) -> Path | None:
     global _FILE_HANDLER
     if verbose():
         return None
+    restore_console()  # a second run in this process starts from the libraries' own setup
     path = Path(run_dir).resolve() / "engine.log"
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path, mode="a", encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    old, _FILE_HANDLER = _FILE_HANDLER, handler
+    _FILE_HANDLER = handler
     for name in LIBRARY_LOGGERS:
         lg = logging.getLogger(name)
-        for h in list(lg.handlers):
-            if h is old or isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
-                lg.removeHandler(h)
+        removed = [h for h in lg.handlers
+                   if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)]
+        _SAVED_LOGGERS.append((lg, removed, lg.propagate))
+        for h in removed:
+            lg.removeHandler(h)
         lg.addHandler(handler)
         lg.propagate = False
-    if old is not None:
-        old.close()
     # Prefect's console handlers: its own INFO bookkeeping ("Beginning flow run", "Finished in state") to the file
     loggers = [logging.getLogger()] + [lg for lg in logging.root.manager.loggerDict.values()
                                        if isinstance(lg, logging.Logger)]
@@ -82,10 +85,10 @@ def quiet_console(run_dir: Path) -> Path | None:
                               "formatter": "plain"}},
         "loggers": {"vllm": {"handlers": ["file"], "level": "INFO", "propagate": False}},
     }))
-    os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(cfg_path)
-    os.environ["VLLM_CONFIGURE_LOGGING"] = "1"
-    os.environ[ENV_LOG] = str(path)
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    for k, v in (("VLLM_LOGGING_CONFIG_PATH", str(cfg_path)), ("VLLM_CONFIGURE_LOGGING", "1"), (ENV_LOG, str(path)),
+                 ("TRANSFORMERS_VERBOSITY", os.environ.get("TRANSFORMERS_VERBOSITY", "error"))):
+        _SAVED_ENV[k] = os.environ.get(k)
+        os.environ[k] = v
     try:
         from transformers.utils import logging as tlog
 
@@ -93,6 +96,27 @@ def quiet_console(run_dir: Path) -> Path | None:
     except Exception:  # noqa: BLE001 - transformers is optional here
         pass
     return path
+
+
+def restore_console() -> None:
+    """Undo ``quiet_console`` (the env vars point at the run directory, which may be deleted after the run)."""
+    global _FILE_HANDLER
+    for k, v in _SAVED_ENV.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    _SAVED_ENV.clear()
+    for lg, removed, propagate in _SAVED_LOGGERS:
+        if _FILE_HANDLER is not None:
+            lg.removeHandler(_FILE_HANDLER)
+        for h in removed:
+            lg.addHandler(h)
+        lg.propagate = propagate
+    _SAVED_LOGGERS.clear()
+    if _FILE_HANDLER is not None:
+        _FILE_HANDLER.close()
+        _FILE_HANDLER = None
 
 
 class redirect_fds:
