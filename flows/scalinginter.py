@@ -124,11 +124,11 @@ def phase_flow(config: RunConfig, phase: int, init_ref: str, parent_run_id: str 
             gstep, t0 = prog.start + i, time.time()
             limit = plan.limit_at(gstep)
             T.ensure_servers_alive(key)
-            roll = T.rollout_batch(key, urls, gstep, limit)
-            adv = T.compute_advantages(key)
-            upd = T.policy_update(key)
-            rec.step(i, gstep, limit, T.get_session(key).trajectories, roll, adv, upd, time.time() - t0)
-            last = prog.advance(i, roll, rec)
+            batch = T.rollout_batch(key, urls, gstep, limit)
+            adv = T.compute_advantages(key, batch)
+            upd = T.policy_update(key, batch, adv)
+            rec.step(i, gstep, limit, batch, adv, upd, time.time() - t0)
+            last = prog.advance(i, batch.metrics, rec)
             ckpt.save_if_due(i, last, prog.trainer_state(i, limit))
             inject_fault(gstep + 1)
             if last:
@@ -271,10 +271,10 @@ class StepRecorder:
         self.dir = run_dir(cfg)
         self.last_metrics: dict[str, float] | None = None
 
-    def step(self, i: int, gstep: int, limit: int, trajs: list, roll: dict[str, float], adv: dict[str, float],
-             upd: dict[str, float], step_time_s: float) -> dict[str, float]:
-        cfg, plan = self.cfg, self.plan
-        metrics = {**roll, **adv, **{f"train/{k}": v for k, v in upd.items()}, "turn_limit": float(limit),
+    def step(self, i: int, gstep: int, limit: int, batch: T.Batch, adv: T.Advantages, upd: dict[str, float],
+             step_time_s: float) -> dict[str, float]:
+        cfg, plan, roll, trajs = self.cfg, self.plan, batch.metrics, batch.trajectories
+        metrics = {**roll, **adv.stats, **{f"train/{k}": v for k, v in upd.items()}, "turn_limit": float(limit),
                    "step_time_s": step_time_s}
         self.tracker.log_metrics(self.run_id, metrics, step=gstep)
         if self.parent_run_id:

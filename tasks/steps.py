@@ -1,8 +1,11 @@
 """Prefect tasks of a phase: thin adapters that do I/O and call one pure function or one backend method.
 
-Live objects (the learner's models, the generation backend, env server processes) stay in a
-``Session`` inside this process; tasks receive its key and small records, and return small records
-(metrics, URIs). Step checkpoints are written to local disk or S3 via ``tasks.checkpoint_store``.
+Only live handles (the learner's models, the generation engine, env server processes) stay behind, in a
+``Session`` of this process's small registry; tasks receive its key. Everything else goes in and out as values:
+``rollout_batch`` returns the step's ``Batch``, ``compute_advantages(key, batch)`` returns its ``Advantages``
+(with the learner's prepared log-probs), ``policy_update(key, batch, adv)`` takes both (in-process Prefect
+results with persistence off carry Python objects). Step checkpoints are written to local disk or S3 via
+``tasks.checkpoint_store``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ TASK_OPTS = dict(cache_policy=NO_CACHE, persist_result=False)
 
 @dataclass
 class Session:
+    """Live handles only: no step's data is kept here."""
+
     cfg: RunConfig
     learner: Any = None  # TorchLearner (training) or None (eval only)
     model: Any = None
@@ -41,10 +46,25 @@ class Session:
     backend: Any = None
     chat: ChatFormat | None = None
     servers: list[Any] = field(default_factory=list)
-    trajectories: list[Trajectory] = field(default_factory=list)
-    advantages: list[list[float]] = field(default_factory=list)
-    returns: list[list[float]] | None = None  # critic targets (PPO)
-    prepared: Any = None  # learner.prepare(...) of the current batch: old/ref log-probs, values
+
+
+@dataclass
+class Batch:
+    """One training step's episodes and their rollout metrics (``rollout_batch``'s result)."""
+
+    trajectories: list[Trajectory]
+    metrics: dict[str, float]
+
+
+@dataclass
+class Advantages:
+    """``compute_advantages``' result: per-token advantages (and critic targets for PPO), the learner's prepared
+    inputs of the same batch (old/ref log-probs, values) that the update consumes, and the estimator's stats."""
+
+    advantages: list[list[float]]
+    returns: list[list[float]] | None
+    prepared: Any
+    stats: dict[str, float]
 
 
 _SESSIONS: dict[str, Session] = {}
@@ -252,7 +272,8 @@ def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, tur
 
 @task(name="rollout-batch", **TASK_OPTS)
 @timed("rollout")
-def rollout_batch(key: str, urls: list[str], global_step: int, turn_limit: int) -> dict[str, float]:
+def rollout_batch(key: str, urls: list[str], global_step: int, turn_limit: int) -> Batch:
+    """The step's episodes: its tasks (a function of the global step), ``samples_per_task`` each, at ``turn_limit``."""
     s = get_session(key)
     r = s.cfg.rollout
     tasks = train_tasks_for_step(s.cfg, global_step)
@@ -261,9 +282,8 @@ def rollout_batch(key: str, urls: list[str], global_step: int, turn_limit: int) 
     for t in trajs:
         t.info["global_step"] = global_step
         t.info["turn_limit"] = turn_limit
-    s.trajectories = trajs
     metrics["max_turns_seen"] = float(max((t.turns for t in trajs), default=0))
-    return metrics
+    return Batch(trajs, metrics)
 
 
 def local_critic_path(ref: str | None) -> str | None:
@@ -276,30 +296,31 @@ def local_critic_path(ref: str | None) -> str | None:
 
 @task(name="compute-advantages", **TASK_OPTS)
 @timed("advantages")
-def compute_advantages(key: str) -> dict[str, float]:
-    """Learner-side inputs (old/ref log-probs, critic values) then the configured estimator."""
+def compute_advantages(key: str, batch: Batch) -> Advantages:
+    """Learner-side inputs of ``batch`` (old/ref log-probs, critic values), then the configured estimator."""
     s = get_session(key)
-    trajs = s.trajectories
+    trajs = batch.trajectories
     a = s.cfg.algo
     spec = get_estimator(a.estimator)
-    s.prepared = s.learner.prepare(trajs, old_for_reward=spec.kl_in_reward)
+    prepared = s.learner.prepare(trajs, old_for_reward=spec.kl_in_reward)
     params = EstimatorParams(gamma=a.gamma, lam=a.lam, normalize_std=a.normalize_std, whiten=a.whiten_advantages,
                              kl_coef=a.kl_coef)
-    s.advantages, s.returns, stats = trajectory_advantages(
+    advantages, returns, stats = trajectory_advantages(
         a.estimator, params, trajs,
-        values=s.learner.per_token(trajs, s.prepared, "values") if spec.needs_critic else None,
-        kl=s.learner.per_token(trajs, s.prepared, "kl") if spec.kl_in_reward else None)
-    for t, adv in zip(trajs, s.advantages):  # kept with the episode: the rollout Parquet stores what was trained on
+        values=s.learner.per_token(trajs, prepared, "values") if spec.needs_critic else None,
+        kl=s.learner.per_token(trajs, prepared, "kl") if spec.kl_in_reward else None)
+    for t, adv in zip(trajs, advantages):  # kept with the episode: the rollout Parquet stores what was trained on
         t.info["advantages"] = adv
-    return stats
+    return Advantages(advantages, returns, prepared, stats)
 
 
 @task(name="policy-update", **TASK_OPTS)
 @timed("update")
-def policy_update(key: str) -> dict[str, float]:
+def policy_update(key: str, batch: Batch, adv: Advantages) -> dict[str, float]:
+    """One update of the policy (and critic) on ``batch`` with ``adv``; the generation engine gets the new weights."""
     s = get_session(key)
-    out = s.learner.update(s.trajectories, s.advantages, prepared=s.prepared, returns=s.returns)
-    s.prepared = None
+    out = s.learner.update(batch.trajectories, adv.advantages, prepared=adv.prepared, returns=adv.returns)
+    adv.prepared = None  # the old/ref log-probs of this batch are spent; free them before the next rollout
     with timed("weight_sync"):
         s.backend.sync_weights()  # a separate generation engine (vLLM) reloads the new weights; no-op otherwise
     if hasattr(s.backend, "sync_time_s"):

@@ -29,3 +29,54 @@ def test_model_load_failure_does_not_leave_the_mlflow_run_running(tmp_path):
     runs = client.search_runs([exp.experiment_id], "attributes.run_name = 'broken/phase-1'")
     assert len(runs) == 1 and runs[0].info.status == "FAILED", [r.info.status for r in runs]
     assert set(T._SESSIONS) == sessions_before  # nothing left open
+
+
+def test_tasks_take_and_return_values(tmp_path):
+    """compute_advantages and policy_update talk through arguments and results, not session fields: the session
+    holds only live handles, and the update uses exactly the batch and advantages it is given."""
+    import asyncio
+    import dataclasses
+
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from flows.config import build_config
+    from tasks import steps as T
+    from tasks.backends.generation import SamplingParams
+    from tasks.backends.model import resolve_model
+    from tasks.env_sessions import local_factory
+    from tasks.rollout import EpisodeSpec, run_rollout
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
+                                 bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    cfg = build_config("toy", None, [f"model.path={tmp_path}", "rollout.backend=transformers", "algo.lr=1e-2",
+                                     "rollout.max_new_tokens=6", "rollout.token_budget=256", "algo.kl_coef=0"])
+    assert {f.name for f in dataclasses.fields(T.Session)} == {"cfg", "learner", "model", "tokenizer", "backend",
+                                                               "chat", "servers"}
+    key = T.open_session(cfg, str(tmp_path), train=True)
+    try:
+        s = T.get_session(key)
+        specs = [EpisodeSpec(task_id=t, group_id=t) for t in range(2) for _ in range(2)]
+        trajs, _ = asyncio.run(run_rollout(specs, local_factory("toy"), s.backend, s.chat,
+                                           SamplingParams(6, 1.0), 1, 256, seed=3))
+        for t, r in zip(trajs, (1.0, 0.0, 0.0, 1.0)):  # a reward signal by hand, so the advantages are nonzero
+            t.set_turn_reward(r)
+        batch = T.Batch(trajs, {"episodes": 4.0})
+        adv = T.compute_advantages.fn(key, batch)
+        assert isinstance(adv, T.Advantages) and adv.prepared is not None
+        # GRPO by hand: groups (1, 0) and (0, 1), mean 0.5, std 0.5 -> +-1 on the last action token
+        assert [round(a[-1], 4) for a in adv.advantages if a] == [1.0, -1.0, -1.0, 1.0]
+        before = [p.detach().clone() for p in s.learner.model.parameters()]
+        zero = dataclasses.replace(adv, advantages=[[0.0] * len(a) for a in adv.advantages])
+        T.policy_update.fn(key, batch, zero)  # zero advantages, no KL: the policy gradient is zero
+        mid = [p.detach().clone() for p in s.learner.model.parameters()]
+        T.policy_update.fn(key, batch, T.compute_advantages.fn(key, batch))
+        after = list(s.learner.model.parameters())
+        assert all(torch.equal(a, b) for a, b in zip(before, mid))
+        assert any(not torch.equal(a, b) for a, b in zip(mid, after))
+    finally:
+        T.close_session(key)
