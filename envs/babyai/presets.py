@@ -3,15 +3,32 @@
 from typing import Any
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # ~10 minutes on 2 CPU cores with SmolLM2-135M: three phases with growing turn limits.
+    # The CPU demo (~15 min on 2 bf16-capable cores): three phases with growing turn limits, 4 steps each.
+    # Tuned so the gain is real (measured on a 2-core AVX512-BF16 CPU, 96 held-out tasks, greedy, 4 turns):
+    # base 16/96 -> 59/96 after these 12 steps (45 tasks gained, 2 lost; McNemar p < 1e-10). The levers:
+    # lr 3e-5 (2e-6 barely moved a 135M model: 16 -> 20/96), no KL reference (kl_coef 0: one forward less per
+    # step, and the 135M policy must move far from its chatty prior), temperature 1.0 for exploration, and
+    # 24-token replies (an answer is "Action: go to red ball 1"; longer replies are rambling that the turn
+    # limit punishes anyway).
     "smoke": {
         "env": {"options": {"levels": "GoToObj,GoToRedBallGrey,GoToLocal"}},
-        "curriculum": {"phases": [{"turn_limit": 2, "steps": 2}, {"turn_limit": 3, "steps": 2},
-                                  {"turn_limit": 4, "steps": 2}]},
-        "rollout": {"tasks_per_step": 4, "samples_per_task": 4, "max_new_tokens": 32, "token_budget": 1536,
-                    "temperature": 0.7},
-        "algo": {"lr": 2e-6, "kl_coef": 0.001, "micro_batch_size": 2},
-        "eval": {"n": 24},
+        "curriculum": {"phases": [{"turn_limit": 2, "steps": 4}, {"turn_limit": 3, "steps": 4},
+                                  {"turn_limit": 4, "steps": 4}]},
+        "rollout": {"tasks_per_step": 4, "samples_per_task": 4, "max_new_tokens": 24, "token_budget": 1536,
+                    "temperature": 1.0},
+        "algo": {"lr": 3e-5, "kl_coef": 0.0, "micro_batch_size": 2},
+        "eval": {"n": 96},
+    },
+    # About an hour on 2 CPU cores: the smoke recipe on five go-to levels, twice the episodes per step and
+    # three times the steps, turn limits 2 -> 4 -> 6, scored on 128 held-out tasks at 6 turns.
+    "cpu": {
+        "env": {"options": {"levels": "GoToObj,GoToRedBallGrey,GoToRedBall,GoToLocal,GoToDoor"}},
+        "curriculum": {"phases": [{"turn_limit": 2, "steps": 10}, {"turn_limit": 4, "steps": 10},
+                                  {"turn_limit": 6, "steps": 10}]},
+        "rollout": {"tasks_per_step": 8, "samples_per_task": 4, "max_new_tokens": 24, "token_budget": 2048,
+                    "temperature": 1.0},
+        "algo": {"lr": 3e-5, "kl_coef": 0.0, "micro_batch_size": 4},
+        "eval": {"n": 128},
     },
     # The smallest real run, for end-to-end tests: 1 step per phase, few short episodes.
     "tiny": {
