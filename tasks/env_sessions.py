@@ -48,6 +48,51 @@ class HttpEpisode:
                 pass  # the server reaps idle envs anyway
 
 
+class ServerSlots:
+    """The rollout's env servers and their capacities (``None``: unbounded): which server a new episode goes to
+    (``core.capacity.pick_server``: the most free slots), and its slot back when the episode closes. With the
+    rollout's live cap at most the sum of the capacities, no server is ever asked for more than it holds."""
+
+    def __init__(self, clients: list[Any], capacities: list[int | None]):
+        if len(clients) != len(capacities) or not clients:
+            raise ValueError("one capacity per client, at least one client")
+        self.clients, self.capacities = list(clients), list(capacities)
+        self.live = [0] * len(clients)
+
+    def take(self) -> int:
+        from core.capacity import pick_server
+
+        i = pick_server(self.capacities, self.live)
+        self.live[i] += 1
+        return i
+
+    def give_back(self, i: int) -> None:
+        self.live[i] -= 1
+
+
+class PooledEpisode(HttpEpisode):
+    """An ``HttpEpisode`` whose server is chosen when it starts (``ServerSlots.take``) and freed when it closes."""
+
+    def __init__(self, slots: ServerSlots):
+        super().__init__(None)  # type: ignore[arg-type]
+        self.slots = slots
+        self.slot: int | None = None
+
+    async def reset(self, data_idx: int) -> EnvReply:
+        if self.slot is None:
+            self.slot = self.slots.take()
+            self.client = self.slots.clients[self.slot]
+        return await super().reset(data_idx)
+
+    async def close(self) -> None:
+        try:
+            await super().close()
+        finally:
+            if self.slot is not None:
+                self.slots.give_back(self.slot)
+                self.slot = None
+
+
 class LocalEpisode:
     """An in-process TextEnv driven through the same interface (steps run in a worker thread)."""
 
@@ -75,4 +120,4 @@ def local_factory(name: str, options: dict[str, Any] | None = None):
     return make
 
 
-__all__ = ["HttpEpisode", "LocalEpisode", "local_factory", "TurnLimit"]
+__all__ = ["HttpEpisode", "LocalEpisode", "PooledEpisode", "ServerSlots", "local_factory", "TurnLimit"]

@@ -95,6 +95,11 @@ class JvmPool:
         self._reaper: threading.Thread | None = None
         self._stopped = False
 
+    @property
+    def capacity(self) -> int:
+        """Episodes that can hold a JVM at once (an env server advertises it on ``/health``)."""
+        return self.max_jvms
+
     # --- use -----------------------------------------------------------------------------------------
     def acquire(self, timeout_s: float = 30.0):
         deadline = time.monotonic() + timeout_s

@@ -126,6 +126,11 @@ class BrowserPool:
                 pool = cls._shared[key] = cls(**kwargs)
             return pool
 
+    @property
+    def capacity(self) -> int:
+        """Episodes that can hold a context at once (an env server advertises it on ``/health``)."""
+        return self.max_contexts
+
     # --- running coroutines on the browser loop -----------------------------------------------------------
     def run(self, coro: Awaitable[Any], timeout_s: float | None = None) -> Any:
         if self._closed:
