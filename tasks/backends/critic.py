@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 
 from core.losses import clipped_value_loss
+from tasks.backends.safe_load import load_plain
 
 
 class ValueModel(torch.nn.Module):
@@ -103,10 +104,10 @@ class Critic:
         d = Path(directory) / "critic"
         if not (d / "model.pt").exists():
             return False
-        self.net.load_state_dict(torch.load(d / "model.pt", weights_only=False))
+        self.net.load_state_dict(load_plain(d / "model.pt"))
         if (d / "optimizer.pt").exists():
             by_name = dict(self.net.named_parameters())
-            for n, st in torch.load(d / "optimizer.pt", weights_only=False).items():
+            for n, st in load_plain(d / "optimizer.pt").items():
                 if n in by_name:
                     self.opt.state[by_name[n]] = st
         return True

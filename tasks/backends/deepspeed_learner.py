@@ -34,6 +34,7 @@ import torch
 
 from core.trajectory import Trajectory
 from tasks.backends.learner import LearnerConfig, Prepared, TorchLearner
+from tasks.backends.safe_load import load_plain
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO_ROOT / "infra" / "deepspeed"
@@ -263,7 +264,7 @@ class DeepSpeedLearner(TorchLearner):
             self.critic.load(directory)
         rng_file = directory / "rng.pt"
         if rng_file.exists():
-            rng = torch.load(rng_file, weights_only=False)
+            rng = load_plain(rng_file)
             torch.set_rng_state(rng["torch"])
             random.setstate(rng["python"])
         state_file = directory / "trainer_state.json"

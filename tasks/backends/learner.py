@@ -21,6 +21,7 @@ from core.advantages import pad_rows
 from core.losses import policy_loss, sequence_weights
 from core.prefix import plan_shared_prefixes
 from core.trajectory import Trajectory
+from tasks.backends.safe_load import load_plain
 
 
 @dataclass
@@ -377,7 +378,7 @@ class TorchLearner:
             del fresh
         opt_file = directory / "optimizer.pt"
         if opt_file.exists():
-            saved = torch.load(opt_file, weights_only=False)
+            saved = load_plain(opt_file)
             by_name = dict(self.model.named_parameters())
             for n, st in saved["state"].items():
                 if n in by_name:
@@ -386,7 +387,7 @@ class TorchLearner:
                 g.update(sg)
         rng_file = directory / "rng.pt"
         if rng_file.exists():
-            rng = torch.load(rng_file, weights_only=False)
+            rng = load_plain(rng_file)
             torch.set_rng_state(rng["torch"])
             random.setstate(rng["python"])
         if self.critic is not None:
