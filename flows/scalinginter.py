@@ -356,16 +356,18 @@ def _prune(cfg: RunConfig, prev: str | None, current: str) -> None:
 
 
 # --- evaluation ------------------------------------------------------------------------------------------
-def evaluate_model(cfg: RunConfig, ref: str, n: int | None = None, turn_limit: int | None = None) -> dict[str, float]:
+def evaluate_model(cfg: RunConfig, ref: str, n: int | None = None, turn_limit: int | None = None,
+                   episodes_path: Path | None = None) -> dict[str, float]:
     return T.score_model(cfg, local_model_dir(cfg, ref), T.eval_tasks(n or cfg.eval.n),
-                         turn_limit or cfg.eval_turn_limit, cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens)
+                         turn_limit or cfg.eval_turn_limit, cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
+                         str(episodes_path) if episodes_path else None)
 
 
 # --- parent flow -----------------------------------------------------------------------------------------
 def _cached_eval(cfg: RunConfig, path: Path, ref: str) -> dict[str, float]:
     if path.exists():
         return json.loads(path.read_text())
-    m = evaluate_model(cfg, ref)
+    m = evaluate_model(cfg, ref, episodes_path=path.with_suffix(".parquet"))  # the viewer lists its episodes
     path.write_text(json.dumps(m))
     return m
 

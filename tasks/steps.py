@@ -331,21 +331,24 @@ def policy_update(key: str, batch: Batch, adv: Advantages) -> dict[str, float]:
 @task(name="evaluate", **TASK_OPTS)
 @timed("evaluation")
 def evaluate_ids(key: str, urls: list[str], task_ids: list[int], turn_limit: int,
-                 max_new_tokens: int) -> dict[str, float]:
-    """Greedy decoding on the given tasks (held-out by default): success rate, mean reward, mean turns."""
+                 max_new_tokens: int, episodes_path: str | None = None) -> dict[str, float]:
+    """Greedy decoding on the given tasks (held-out by default): success rate, mean reward, mean turns. With
+    ``episodes_path``, the episodes are also written there as a rollout Parquet (phase 0; the viewer shows them)."""
     s = get_session(key)
     trajs, m = _rollout(s, urls, task_ids, 1, turn_limit, 0.0, max_new_tokens, "eval")
+    if episodes_path:
+        write_rollout_parquet(trajs, Path(episodes_path), phase=0, step=0)
     return {"success_rate": m["success_rate"], "mean_reward": m["mean_reward"], "mean_turns": m["mean_turns"],
             "episodes": m["episodes"], "masked_episodes": m["masked_episodes"]}
 
 
 def score_model(cfg: RunConfig, model_dir: str, task_ids: list[int], turn_limit: int,
-                max_new_tokens: int) -> dict[str, float]:
+                max_new_tokens: int, episodes_path: str | None = None) -> dict[str, float]:
     """Load a model (no learner), spawn env servers, score ``task_ids`` greedily, tear everything down."""
     key = open_session(cfg, model_dir, train=False)
     try:
         urls = spawn_env_servers(key)
-        return evaluate_ids(key, urls, task_ids, turn_limit, max_new_tokens)
+        return evaluate_ids(key, urls, task_ids, turn_limit, max_new_tokens, episodes_path)
     finally:
         close_session(key)
 
