@@ -135,6 +135,7 @@ class Store:
         self._lock = threading.Lock()
         self._mlflow: tuple[float, dict[str, dict[str, Any]], str | None] | None = None
         self._tables: dict[tuple[str, float, tuple[str, ...]], list[dict[str, Any]]] = {}
+        self._task_cache: dict[tuple[str, float, tuple[str, ...]], list[dict[str, Any]]] = {}
         self._tokenizers: dict[str, Any] = {}
 
     # -- runs ------------------------------------------------------------------------------------------
@@ -296,6 +297,23 @@ class Store:
         row["index"] = i
         return row
 
+    def task_phases(self, run: RunInfo) -> dict[int, set[int]]:
+        """Task id -> the phases it ran in (the task_id and phase columns of every step; cached per file)."""
+        out: dict[int, set[int]] = {}
+        for p in self.steps(run).values():
+            key = (str(p), p.stat().st_mtime, ("task_id", "phase"))
+            with self._lock:
+                rows = self._task_cache.get(key)
+            if rows is None:
+                t = pq.read_table(p, columns=["task_id", "phase"])
+                rows = [{"task_id": a, "phase": b} for a, b in zip(t.column("task_id").to_pylist(),
+                                                                   t.column("phase").to_pylist())]
+                with self._lock:
+                    self._task_cache[key] = rows
+            for r in rows:
+                out.setdefault(int(r["task_id"]), set()).add(int(r["phase"]))
+        return out
+
     def task_rows(self, path: Path, task_id: int) -> list[int]:
         ids = pq.read_table(path, columns=["task_id"]).column("task_id").to_pylist()
         return [i for i, t in enumerate(ids) if t == task_id]
@@ -307,6 +325,8 @@ class Store:
         with self._lock:
             if ref in self._tokenizers:
                 return self._tokenizers[ref]
+        if ref.startswith(("/", ".", "~")) and not Path(ref).expanduser().exists():
+            raise FileNotFoundError(f"the model folder {ref} no longer exists")
         from transformers import AutoTokenizer
 
         from tasks.backends.model import resolve_model
@@ -479,14 +499,18 @@ def render_run(store: Store, name: str) -> str:
     body += "<h2>Steps</h2>" + (table(["step", "phase", "turn limit", "episodes", "success", "reward", "turns", ""],
                                       srows) if srows else "<p>No steps recorded yet.</p>")
     if steps:
-        first = next(iter(steps.values()))
         try:
-            tasks = sorted({r["task_id"] for r in store.step_rows(first)})
-        except Exception:  # noqa: BLE001
-            tasks = []
-        if tasks:
-            body += ("<h2>The same task across phases</h2><p>" + " ".join(
-                f'<a class="task-link" href="/runs/{q(name)}/tasks/{t}">task {t}</a>' for t in tasks[:40]) + "</p>")
+            tp = store.task_phases(run)
+        except Exception:  # noqa: BLE001 - an unreadable step file shows on its own page
+            tp = {}
+        multi = sorted(t for t, ph in tp.items() if len(ph) > 1)
+        shown = multi or sorted(tp)
+        if shown:
+            note = ("Tasks that ran in more than one phase:" if multi else
+                    "No task ran in more than one phase of this run (each step draws its own tasks); its tasks:")
+            body += (f"<h2>The same task across phases</h2><p class=\"muted\">{note}</p><p>" + " ".join(
+                f'<a class="task-link" href="/runs/{q(name)}/tasks/{t}">task {t}</a>' for t in shown[:60])
+                + (f" … ({len(shown)} in all)" if len(shown) > 60 else "") + "</p>")
     return page(f"Run {name}", body, [("runs", "/"), (name, None)])
 
 
@@ -539,7 +563,9 @@ def render_step(store: Store, name: str, n: int, params: dict[str, str]) -> str:
     body_rows, attrs = [], []
     for r in sel[a:b]:
         ok = "masked" if r["finish"] == "masked" else ("✓" if r.get("success") else "✗")
-        body_rows.append([str(r["index"]), fmt(r.get("task_id")), fmt(r.get("category")), fmt(r.get("reward")),
+        task_cell = (f'<a class="task-link" href="/runs/{q(name)}/tasks/{r["task_id"]}" title="this task across phases">'
+                     f'{fmt(r["task_id"])}</a>' if r.get("task_id") is not None else "-")
+        body_rows.append([str(r["index"]), task_cell, fmt(r.get("category")), fmt(r.get("reward")),
                           ok, fmt(r.get("turns")), fmt(r["finish"]),
                           f'<a class="episode-link" href="{base}/episodes/{r["index"]}">open</a>'])
         attrs.append(f'class="ep {"ok" if r.get("success") else "bad"}" data-index="{r["index"]}"')
@@ -556,7 +582,9 @@ def render_step(store: Store, name: str, n: int, params: dict[str, str]) -> str:
             + f'<input type="hidden" name="sort" value="{escape(sort)}"><input type="hidden" name="desc" value="{int(desc)}">'
             '<button type="submit">apply</button></form>')
     succ = [r for r in rows if r["finish"] != "masked"]
-    stats = (f'<p class="muted">{len(rows)} episodes, {len(sel)} shown by the filters; success '
+    m = next((m for m in store.metrics(run) if int(m["global_step"]) == n), {})
+    stats = (f'<p class="muted">phase {fmt(m.get("phase"))}, turn limit {fmt(m.get("turn_limit"), ".0f")}; '
+             f'{len(rows)} episodes, {len(sel)} shown by the filters; success '
              f'{sum(1 for r in succ if r.get("success"))}/{len(succ)} (masked excluded); '
              f'file <code>{escape(str(path))}</code></p>')
     nav = ""
