@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable, Protocol
 
 from core.chat import ChatFormat
@@ -105,6 +105,65 @@ def episode_seed(base: int, episode: int, turn: int) -> int:
     return (base * 1_000_003 + episode * 10_007 + turn) % (2**31 - 1)
 
 
+@dataclass(frozen=True)
+class RolloutRequest:
+    """What to roll out: the episodes (tasks x samples, each with its group), the turn limit, the token budgets
+    (per turn: ``params.max_new_tokens``; per trajectory: ``token_budget``) and the sampling seed."""
+
+    specs: list[EpisodeSpec]
+    turn_limit: int
+    params: SamplingParams
+    token_budget: int
+    seed: int | None = None  # per-episode-turn seeds (``episode_seed``); None: the backend's own RNG
+
+    @classmethod
+    def for_tasks(cls, task_ids: list[int], samples: int, turn_limit: int, params: SamplingParams,
+                  token_budget: int, seed: int | None = None) -> "RolloutRequest":
+        """``samples`` episodes of each task; the samples of a task form one group."""
+        specs = [EpisodeSpec(task_id=t, group_id=g) for g, t in enumerate(task_ids) for _ in range(samples)]
+        return cls(specs, turn_limit, params, token_budget, seed)
+
+
+@dataclass(frozen=True)
+class RolloutRuntime:
+    """What runs it: the generation backend and chat framing, the env sessions (``make_env(i)`` for the request's
+    episode ``i``), the cap on live episodes, and the retry policy for episodes an env failure masked
+    (``heal()`` replaces dead env servers and returns how many)."""
+
+    backend: GenerationBackend
+    chat: ChatFormat
+    make_env: Callable[[int], EpisodeEnv]
+    max_live: int | None = None
+    retries: int = 0
+    heal: Callable[[], Awaitable[int]] | None = None
+    on_round: Callable[[int, int, RolloutStats], None] | None = None
+
+
+async def rollout(req: RolloutRequest, rt: RolloutRuntime) -> tuple[list[Trajectory], RolloutStats]:
+    """The rollout entry point: every episode of ``req`` to its end, trajectories in the order of ``req.specs``;
+    then up to ``rt.retries`` times: ``rt.heal()`` and the episodes an env failure masked run again, from their
+    start, with their own seeds. An episode still failing after that stays masked (never scored)."""
+    if rt.retries < 0:
+        raise ValueError("retries must be >= 0")
+    trajs, stats = await _rollout_pass(req, rt)
+    for attempt in range(1, rt.retries + 1):
+        failed = [i for i, t in enumerate(trajs) if t.finish_reason == "env_error"]
+        if not failed:
+            break
+        if rt.heal is not None:
+            stats.servers_replaced += await rt.heal()
+        again, st = await _rollout_pass(replace(req, specs=[req.specs[i] for i in failed]),
+                                        replace(rt, make_env=lambda j: rt.make_env(failed[j])), episode_ids=failed)
+        for i, t in zip(failed, again):
+            t.info["attempt"] = attempt + 1
+            t.info["earlier_errors"] = trajs[i].info.get("earlier_errors", []) + [trajs[i].error]
+            trajs[i] = t
+        stats.retried_episodes += len(failed)
+        stats.recovered_episodes += sum(t.finish_reason != "env_error" for t in again)
+        stats.add_work(st)
+    return trajs, stats
+
+
 async def run_rollout(
     specs: list[EpisodeSpec],
     make_env: Callable[[int], EpisodeEnv],
@@ -118,11 +177,20 @@ async def run_rollout(
     max_live: int | None = None,
     episode_ids: list[int] | None = None,
 ) -> tuple[list[Trajectory], RolloutStats]:
-    """Run every episode in ``specs`` to its end; returns trajectories in the order of ``specs``. With ``seed``,
-    each episode's turn is sampled with its own seed (``episode_seed``), for backends that take per-prompt seeds;
-    ``episode_ids`` (default 0..n-1) are the episodes' indices in that seed, so a re-run of some episodes samples
-    as they would have. With ``max_live``, at most that many episodes run at once; the next start as others
-    finish."""
+    """One pass, no retries (the positional form kept for tests and benches): ``rollout`` with ``retries=0``."""
+    return await _rollout_pass(RolloutRequest(specs, turn_limit, params, token_budget, seed),
+                               RolloutRuntime(backend, chat, make_env, max_live, on_round=on_round),
+                               episode_ids=episode_ids)
+
+
+async def _rollout_pass(req: RolloutRequest, rt: RolloutRuntime,
+                        episode_ids: list[int] | None = None) -> tuple[list[Trajectory], RolloutStats]:
+    """Run every episode of ``req`` once. With ``req.seed``, each episode's turn is sampled with its own seed
+    (``episode_seed``), for backends that take per-prompt seeds; ``episode_ids`` (default 0..n-1) are the episodes'
+    indices in that seed, so a re-run of some episodes samples as they would have. With ``rt.max_live``, at most
+    that many episodes run at once; the next start as others finish."""
+    specs, make_env, backend, chat, on_round, max_live = req.specs, rt.make_env, rt.backend, rt.chat, rt.on_round, rt.max_live
+    params, turn_limit, token_budget, seed = req.params, req.turn_limit, req.token_budget, req.seed
     if turn_limit < 1 or any(s.turn_limit is not None and s.turn_limit < 1 for s in specs):
         raise ValueError("turn_limit must be >= 1")
     if max_live is not None and max_live < 1:
@@ -263,26 +331,7 @@ async def run_rollout_retrying(
     heal: Callable[[], Awaitable[int]] | None = None,
     retries: int = 1,
 ) -> tuple[list[Trajectory], RolloutStats]:
-    """``run_rollout``, then up to ``retries`` times: ``heal()`` (replace dead env servers; returns how many) and
-    run the episodes an env failure masked again, from their start, with their own seeds. An episode still failing
-    after that stays masked (never scored). ``make_env`` gets the episode's index in ``specs`` either time."""
-    if retries < 0:
-        raise ValueError("retries must be >= 0")
-    trajs, stats = await run_rollout(specs, make_env, backend, chat, params, turn_limit, token_budget, on_round,
-                                     seed, max_live)
-    for attempt in range(1, retries + 1):
-        failed = [i for i, t in enumerate(trajs) if t.finish_reason == "env_error"]
-        if not failed:
-            break
-        if heal is not None:
-            stats.servers_replaced += await heal()
-        again, st = await run_rollout([specs[i] for i in failed], lambda j: make_env(failed[j]), backend, chat,
-                                      params, turn_limit, token_budget, on_round, seed, max_live, episode_ids=failed)
-        for i, t in zip(failed, again):
-            t.info["attempt"] = attempt + 1
-            t.info["earlier_errors"] = trajs[i].info.get("earlier_errors", []) + [trajs[i].error]
-            trajs[i] = t
-        stats.retried_episodes += len(failed)
-        stats.recovered_episodes += sum(t.finish_reason != "env_error" for t in again)
-        stats.add_work(st)
-    return trajs, stats
+    """``rollout`` in the positional form: ``run_rollout`` plus ``retries`` passes over the episodes an env failure
+    masked, after ``heal()``."""
+    return await rollout(RolloutRequest(specs, turn_limit, params, token_budget, seed),
+                         RolloutRuntime(backend, chat, make_env, max_live, retries, heal, on_round))

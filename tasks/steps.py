@@ -225,11 +225,14 @@ def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, tur
     from envs.agentgym import make_async_client
     from tasks.backends.generation import SamplingParams
     from tasks.env_sessions import PooledEpisode, ServerSlots
-    from tasks.rollout import EpisodeSpec, run_rollout_retrying
+    from tasks.rollout import RolloutRequest, RolloutRuntime, rollout
 
-    if specs is None:  # else: the caller's episodes (an eval sweep: each with its own turn budget and seed key)
-        specs = [EpisodeSpec(task_id=t, group_id=g) for g, t in enumerate(task_ids) for _ in range(samples)]
     params = SamplingParams(max_new_tokens, temperature, s.cfg.rollout.top_p)
+    if specs is None:
+        req = RolloutRequest.for_tasks(task_ids, samples, turn_limit, params, s.cfg.rollout.token_budget, seed)
+    else:  # the caller's episodes (an eval sweep: each with its own turn budget and seed key)
+        req = RolloutRequest(specs, turn_limit, params, s.cfg.rollout.token_budget, seed)
+    specs = req.specs
 
     async def go():
         clients = [make_async_client(s.cfg.env.dialect, u, s.cfg.env.name, s.cfg.env.request_timeout_s) for u in urls]
@@ -258,9 +261,8 @@ def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, tur
             async def heal() -> int:  # a dead server is replaced on its port; its masked episodes run again
                 return await asyncio.to_thread(_replace_dead_servers, s)
 
-            return await run_rollout_retrying(specs, make, s.backend, s.chat, params, turn_limit,
-                                              s.cfg.rollout.token_budget, on_round, seed, cap, heal=heal,
-                                              retries=s.cfg.rollout.env_retries)
+            return await rollout(req, RolloutRuntime(s.backend, s.chat, make, cap, s.cfg.rollout.env_retries, heal,
+                                                     on_round))
         finally:
             for c in clients:
                 await c.aclose()

@@ -223,12 +223,13 @@ class FlakyOnce(LocalEpisode):
 
 
 def _retrying(tok, specs, make, retries, heal=None, seed=None):
-    from tasks.rollout import run_rollout_retrying
+    """The rollout entry point: a request (episodes, turn limit, budgets, seed) on a runtime (backend, envs, retries)."""
+    from tasks.rollout import RolloutRequest, RolloutRuntime, rollout
 
     backend = SeedRecorder(tok) if seed is not None else Scripted(tok, ["Action: open door 1"])
-    trajs, stats = asyncio.run(run_rollout_retrying(specs, make, backend, ChatFormat.from_tokenizer(tok),
-                                                    SamplingParams(16, 1.0), 2, 2048, seed=seed, heal=heal,
-                                                    retries=retries))
+    req = RolloutRequest(specs, turn_limit=2, params=SamplingParams(16, 1.0), token_budget=2048, seed=seed)
+    rt = RolloutRuntime(backend, ChatFormat.from_tokenizer(tok), make, retries=retries, heal=heal)
+    trajs, stats = asyncio.run(rollout(req, rt))
     return trajs, stats, backend
 
 
