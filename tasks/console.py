@@ -54,6 +54,12 @@ def quiet_console(run_dir: Path) -> Path | None:
     if verbose():
         return None
     restore_console()  # a second run in this process starts from the libraries' own setup
+    try:  # first, so the handler transformers installs on import is one of those moved to the file
+        from transformers.utils import logging as tlog
+
+        tlog.disable_progress_bar()
+    except Exception:  # noqa: BLE001 - transformers is optional here
+        pass
     path = Path(run_dir).resolve() / "engine.log"
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path, mode="a", encoding="utf-8")
@@ -85,22 +91,22 @@ def quiet_console(run_dir: Path) -> Path | None:
                               "formatter": "plain"}},
         "loggers": {"vllm": {"handlers": ["file"], "level": "INFO", "propagate": False}},
     }))
-    for k, v in (("VLLM_LOGGING_CONFIG_PATH", str(cfg_path)), ("VLLM_CONFIGURE_LOGGING", "1"), (ENV_LOG, str(path)),
-                 ("TRANSFORMERS_VERBOSITY", os.environ.get("TRANSFORMERS_VERBOSITY", "error"))):
+    for k, v in (("VLLM_LOGGING_CONFIG_PATH", str(cfg_path)), ("VLLM_CONFIGURE_LOGGING", "1"), (ENV_LOG, str(path))):
         _SAVED_ENV[k] = os.environ.get(k)
         os.environ[k] = v
-    try:
-        from transformers.utils import logging as tlog
-
-        tlog.disable_progress_bar()
-    except Exception:  # noqa: BLE001 - transformers is optional here
-        pass
     return path
 
 
 def restore_console() -> None:
     """Undo ``quiet_console`` (the env vars point at the run directory, which may be deleted after the run)."""
     global _FILE_HANDLER
+    if _FILE_HANDLER is not None:
+        try:
+            from transformers.utils import logging as tlog
+
+            tlog.enable_progress_bar()
+        except Exception:  # noqa: BLE001
+            pass
     for k, v in _SAVED_ENV.items():
         if v is None:
             os.environ.pop(k, None)
