@@ -99,8 +99,9 @@ class WorkerExtension:
         self.last_load_s = (t1 - t0, time.time() - t1)
         return len(pairs)
 
-    def last_load_seconds(self) -> float:
-        return getattr(self, "last_load_s", -1.0)
+    def last_load_seconds(self) -> tuple[float, float] | None:
+        """The last in-memory load's seconds: (vLLM's in-place reload, CPU head refresh) — for benchmarks."""
+        return getattr(self, "last_load_s", None)
 
     def load_named_tensors(self, records) -> int:
         """Weights sent inside the RPC message itself: ``(name, dtype, shape, raw bytes)`` per tensor (vLLM's
