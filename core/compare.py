@@ -36,8 +36,12 @@ def last_value(series: Series | None) -> float | None:
 
 
 def curriculum_label(turn_limits: list[int]) -> str:
+    """``[2, 3, 4]`` -> ``"2>3>4"`` (ScalingInter); a fixed horizon is one number whatever its phases
+    (``[4, 4, 4]`` -> ``"4"``, as the learning study's fixed arms keep the phase boundaries)."""
     if not turn_limits:
         return "-"
+    if len(set(turn_limits)) == 1:
+        return str(turn_limits[0])
     return ">".join(str(t) for t in turn_limits)
 
 

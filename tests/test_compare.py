@@ -21,6 +21,7 @@ def test_last_value_and_labels():
     assert last_value([(3, 0.5), (1, 0.9), (2, 0.1)]) == 0.5
     assert last_value([(2, 0.1), (2, 0.7)]) == 0.7  # the later log of the same step wins
     assert curriculum_label([2, 3, 4]) == "2>3>4" and curriculum_label([4]) == "4" and curriculum_label([]) == "-"
+    assert curriculum_label([4, 4, 4]) == "4" and curriculum_label([2, 2, 4]) == "2>2>4"
 
 
 def test_summarize_prefers_held_out_success():
