@@ -119,15 +119,18 @@ def _same_tokenizer(dir_a: str, dir_b: str) -> tuple[bool, str]:
 
 @flow(name="evaluate", log_prints=True)
 def evaluate_models(config: RunConfig, model_dirs: dict[str, str], task_ids: list[int], turn_limits: list[int],
-                    samples: int, temperature: float, max_new_tokens: int, seed: int) -> dict[str, Any]:
-    """Score each model (one engine each) on every task x budget x sample in one rollout call."""
+                    samples: int, temperature: float, max_new_tokens: int, seed: int,
+                    episodes_path: str | None = None) -> dict[str, Any]:
+    """Score each model (one engine each) on every task x budget x sample in one rollout call (the first model's
+    episodes also written to ``episodes_path`` as a rollout Parquet when given)."""
     from tasks import steps as T
 
     out = {}
     for name, d in model_dirs.items():
         print(f"evaluating {name} ({d}): {len(task_ids)} tasks x {samples} samples x budgets "
               f"{','.join(map(str, turn_limits))} = {len(task_ids) * samples * len(turn_limits)} episodes")
-        out[name] = T.score_sweep(config, d, task_ids, turn_limits, samples, temperature, max_new_tokens, seed)
+        out[name] = T.score_sweep(config, d, task_ids, turn_limits, samples, temperature, max_new_tokens, seed,
+                                  episodes_path if name == "model" else None)
     return out
 
 
@@ -135,7 +138,7 @@ def evaluate(cfg: RunConfig, checkpoint_ref: str, split: str = "test", n: int = 
              turn_limits: list[int] | tuple[int, ...] | None = None, temperature: float | None = None, seed: int = 0,
              compare_ref: str | None = None, env_options: dict[str, Any] | None = None,
              max_new_tokens: int | None = None, confidence: float = 0.95,
-             task_ids: list[int] | None = None) -> dict[str, Any]:
+             task_ids: list[int] | None = None, episodes_path: str | Path | None = None) -> dict[str, Any]:
     """Evaluate ``checkpoint_ref`` (and ``compare_ref`` on the same tasks and seeds); returns the JSON document
     described in this module's docstring. ``turn_limits`` None: the checkpoint's trained turn limit, else
     ``cfg.eval_turn_limit``. ``env_options`` None: the checkpoint's training env options if it has
@@ -214,7 +217,8 @@ def evaluate(cfg: RunConfig, checkpoint_ref: str, split: str = "test", n: int = 
         header += (f"\nnote: episodes at the largest budgets may end at the token budget "
                    f"(rollout.token_budget={cfg.rollout.token_budget}); raise it with --set rollout.token_budget=N")
     print(header)
-    sweeps = evaluate_models(cfg, model_dirs, ids, turn_limits, samples, float(temperature), max_new, seed)
+    sweeps = evaluate_models(cfg, model_dirs, ids, turn_limits, samples, float(temperature), max_new, seed,
+                             str(episodes_path) if episodes_path else None)
 
     refs = {"model": checkpoint_ref, "compare": compare_ref}
     models = {}

@@ -26,6 +26,8 @@ from core.config import RunConfig
 from core.curriculum import Gate, GateState, Phase, gate_update, phase_start, total_steps, turn_limit_at
 from flows.config import build_config
 from core.walltime import format_breakdown
+from core.evalreport import SCHEMA as EVAL_SCHEMA
+from core.evalreport import compare_models, flat_metrics, format_p
 from tasks import steps as T
 from tasks import timing
 from tasks.console import quiet_console, restore_console
@@ -357,19 +359,36 @@ def _prune(cfg: RunConfig, prev: str | None, current: str) -> None:
 
 # --- evaluation ------------------------------------------------------------------------------------------
 def evaluate_model(cfg: RunConfig, ref: str, n: int | None = None, turn_limit: int | None = None,
-                   episodes_path: Path | None = None) -> dict[str, float]:
-    return T.score_model(cfg, local_model_dir(cfg, ref), T.eval_tasks(n or cfg.eval.n),
-                         turn_limit or cfg.eval_turn_limit, cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
-                         str(episodes_path) if episodes_path else None)
+                   episodes_path: Path | None = None) -> dict[str, Any]:
+    """The held-out evaluation document (flows.evaluate; greedy, the run's env options) of a model. Before and
+    after training it is the same tasks and seeds, so the two can be paired."""
+    from flows.evaluate import evaluate
+
+    return evaluate(cfg, ref, split="test", n=n or cfg.eval.n, samples=1, turn_limits=[turn_limit or cfg.eval_turn_limit],
+                    seed=cfg.seed, env_options=cfg.env.options,
+                    max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, episodes_path=episodes_path)
 
 
 # --- parent flow -----------------------------------------------------------------------------------------
-def _cached_eval(cfg: RunConfig, path: Path, ref: str) -> dict[str, float]:
+def _cached_eval(cfg: RunConfig, path: Path, ref: str) -> dict[str, Any]:
+    """The evaluation document of ``ref`` (written to ``path``; a resumed run reads it back)."""
     if path.exists():
-        return json.loads(path.read_text())
-    m = evaluate_model(cfg, ref, episodes_path=path.with_suffix(".parquet"))  # the viewer lists its episodes
-    path.write_text(json.dumps(m))
-    return m
+        doc = json.loads(path.read_text())
+        if doc.get("schema") == EVAL_SCHEMA:  # an older run's flat metrics are scored again
+            return doc
+    doc = evaluate_model(cfg, ref, episodes_path=path.with_suffix(".parquet"))  # the viewer lists its episodes
+    path.write_text(json.dumps(doc, indent=2))
+    return doc
+
+
+def paired_eval(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
+    """After vs before on the same tasks and seeds (exact McNemar on the greedy outcomes, paired bootstrap interval
+    of the difference) at the eval budget; None unless both exist on the same tasks."""
+    if not before or not after or before["task_ids"] != after["task_ids"] or before["seed"] != after["seed"]:
+        return None
+    cmp = compare_models(after["models"]["model"], before["models"]["model"], after["samples"], after["confidence"],
+                         after["seed"])
+    return next(iter(cmp.values()))["overall"] if cmp else None
 
 
 @flow(name="scalinginter", log_prints=True)
@@ -409,24 +428,31 @@ def scalinginter(config: RunConfig | None = None, env: str = "babyai", preset: s
               "them here)")
     status = "FAILED"
     try:
-        before = None
+        before = before_doc = after_doc = None
         if cfg.eval.before:
             print(f"evaluating the initial model on {cfg.eval.n} held-out tasks (greedy, "
                   f"{cfg.eval_turn_limit} turns)")
-            before = _cached_eval(cfg, rd / "eval_before.json", cfg.model.path)
+            before_doc = _cached_eval(cfg, rd / "eval_before.json", cfg.model.path)
+            before = flat_metrics(before_doc)
             tracker.log_metrics(parent, {f"eval_before/{k}": v for k, v in before.items()}, step=0)
-            print("before: " + fmt(before, ["success_rate", "mean_reward", "mean_turns"]))
+            print("before: " + fmt(before, ["success_rate", "success_rate_ci_low", "success_rate_ci_high",
+                                            "mean_reward", "mean_turns"]))
         ref = cfg.model.path
         for k in range(len(phases)):
             ref = phase_flow(cfg, k + 1, ref, parent)
         after = None
         if cfg.eval.after:
             print(f"evaluating the final model on {cfg.eval.n} held-out tasks")
-            after = _cached_eval(cfg, rd / "eval_after.json", ref)
+            after_doc = _cached_eval(cfg, rd / "eval_after.json", ref)
+            after = flat_metrics(after_doc)
             tracker.log_metrics(parent, {f"eval_after/{k}": v for k, v in after.items()}, step=total_steps(phases))
+        paired = paired_eval(before_doc, after_doc)
+        if paired is not None:
+            tracker.log_metrics(parent, {"eval_after/diff_vs_before": paired["diff"],
+                                         "eval_after/p_value_vs_before": paired["p_value"]}, step=total_steps(phases))
         tracker.set_tag(parent, "scalinginter.final_checkpoint", ref)
         summary = {"run_name": cfg.run_name, "mlflow_run_id": parent, "mlflow_uri": tracker.uri,
-                   "final_checkpoint": ref, "eval_before": before, "eval_after": after}
+                   "final_checkpoint": ref, "eval_before": before, "eval_after": after, "eval_paired": paired}
         wall = time.time() - t_run
         summary["wall_time_s"] = round(wall, 1)
         summary["wall_time_breakdown_s"] = ledger.breakdown(wall)  # where the time went (core.walltime)
@@ -445,12 +471,24 @@ def summary_table(summary: dict[str, Any], cfg: RunConfig) -> str:
 
     b, a = summary.get("eval_before") or {}, summary.get("eval_after") or {}
     rows = [("success rate", "success_rate"), ("mean reward", "mean_reward"), ("mean turns", "mean_turns")]
-    title = f"held-out {cfg.env.name} tasks (n={cfg.eval.n}, greedy, {cfg.eval_turn_limit} turns)"
-    lines = ["", title, f"{'':<14}{'before':>10}{'after':>10}"]
+    title = (f"held-out {cfg.env.name} tasks (n={cfg.eval.n}, greedy, {cfg.eval_turn_limit} turns; "
+             "success with its 95% Wilson interval)")
+    lines = ["", title, f"{'':<14}{'before':>24}{'after':>24}"]
+
+    def cell(m: dict[str, Any], key: str) -> str:
+        if key not in m:
+            return "-"
+        if key == "success_rate" and "success_rate_ci_low" in m:
+            return f"{m[key]:.3f} [{m['success_rate_ci_low']:.3f}, {m['success_rate_ci_high']:.3f}]"
+        return f"{m[key]:.3f}"
+
     for label, key in rows:
-        bv = f"{b[key]:.3f}" if key in b else "-"
-        av = f"{a[key]:.3f}" if key in a else "-"
-        lines.append(f"{label:<14}{bv:>10}{av:>10}")
+        lines.append(f"{label:<14}{cell(b, key):>24}{cell(a, key):>24}")
+    p = summary.get("eval_paired")
+    if p and p.get("diff") is not None:
+        lines.append(f"after - before: {p['diff']:+.3f} [{p['ci'][0]:+.3f}, {p['ci'][1]:+.3f}] on the same "
+                     f"{p['tasks']} tasks and seeds; McNemar p = {format_p(p['p_value'])} ({p.get('a_better', 0)} "
+                     f"tasks solved only after, {p.get('b_better', 0)} only before)")
     lines += [f"MLflow run id:    {summary['mlflow_run_id']}  ({summary['mlflow_uri']})",
               f"final checkpoint: {summary['final_checkpoint']}",
               f"trajectories:     {viewer_url(cfg.run_name)}  (scalinginter view --runs-dir {cfg.output_dir})", ""]

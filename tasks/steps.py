@@ -361,12 +361,14 @@ MAX_EVAL_SAMPLES = 4096  # an episode's seed key is task_id * MAX_EVAL_SAMPLES +
 @task(name="evaluate-sweep", **TASK_OPTS)
 @timed("evaluation")
 def evaluate_sweep(key: str, urls: list[str], task_ids: list[int], turn_limits: list[int], samples: int,
-                   temperature: float, max_new_tokens: int, seed: int) -> dict[str, Any]:
+                   temperature: float, max_new_tokens: int, seed: int,
+                   episodes_path: str | None = None) -> dict[str, Any]:
     """Every task at every turn budget, ``samples`` times (greedy when ``temperature`` is 0), in ONE rollout call
     on the session's engine. Each episode samples with seeds keyed by (task, sample) only, so the same task and
     sample draw the same seeds at every budget, for every model and whatever else is in the batch (engines with
     per-prompt seeds: vLLM; transformers draws from torch's RNG, seeded here). Returns ``{"outcomes": [{task_id,
-    turn_limit, sample, success (None = masked), reward, turns, category, finish_reason}], "stats": {...}}``."""
+    turn_limit, sample, success (None = masked), reward, turns, category, finish_reason}], "stats": {...}}``.
+    With ``episodes_path`` the episodes are also written there as a rollout Parquet (phase 0; the viewer)."""
     import torch
 
     from tasks.rollout import EpisodeSpec
@@ -377,6 +379,8 @@ def evaluate_sweep(key: str, urls: list[str], task_ids: list[int], turn_limits: 
     torch.manual_seed(seed)
     trajs, m = _rollout(s, urls, task_ids, samples, max(turn_limits), temperature, max_new_tokens, "eval",
                         seed=seed, specs=specs)
+    if episodes_path:
+        write_rollout_parquet(trajs, Path(episodes_path), phase=0, step=0)
     outcomes = [{"task_id": sp.task_id, "turn_limit": sp.turn_limit, "sample": sp.seed_key - sp.task_id * MAX_EVAL_SAMPLES,
                  "success": None if t.masked else bool(t.success), "reward": t.reward, "turns": t.turns,
                  "category": t.info.get("category"), "finish_reason": t.finish_reason}
@@ -387,12 +391,13 @@ def evaluate_sweep(key: str, urls: list[str], task_ids: list[int], turn_limits: 
 
 
 def score_sweep(cfg: RunConfig, model_dir: str, task_ids: list[int], turn_limits: list[int], samples: int,
-                temperature: float, max_new_tokens: int, seed: int) -> dict[str, Any]:
+                temperature: float, max_new_tokens: int, seed: int, episodes_path: str | None = None) -> dict[str, Any]:
     """Load a model (no learner) and one engine, spawn env servers, ``evaluate_sweep``, tear everything down."""
     key = open_session(cfg, model_dir, train=False)
     try:
         urls = spawn_env_servers(key)
-        return evaluate_sweep(key, urls, task_ids, turn_limits, samples, temperature, max_new_tokens, seed)
+        return evaluate_sweep(key, urls, task_ids, turn_limits, samples, temperature, max_new_tokens, seed,
+                              episodes_path)
     finally:
         close_session(key)
 
