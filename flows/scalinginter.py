@@ -32,10 +32,12 @@ from tasks import steps as T
 from tasks import timing
 from tasks.console import quiet_console, restore_console
 from tasks.checkpoint_store import (
+    CheckpointCorrupted,
     checkpoint_exists,
     delete_checkpoint,
     is_s3_uri,
     join_uri,
+    list_checkpoints,
     load_checkpoint,
     read_latest,
     write_latest,
@@ -79,12 +81,33 @@ def make_tracker(cfg: RunConfig) -> Tracker:
 
 
 def local_model_dir(cfg: RunConfig, ref: str) -> str:
-    """A local HF folder for a model reference or a checkpoint URI."""
+    """A local HF folder for a model reference or a checkpoint URI. A checkpoint (local or S3) is verified against
+    its manifest — sizes and sha256 of every file — on every load: a damaged file raises CheckpointCorrupted
+    naming it."""
     from tasks.backends.model import resolve_model
 
     if is_s3_uri(ref) or (Path(ref) / "manifest.json").exists():
-        return str(load_checkpoint(ref, cache_dir(cfg)))
+        return str(load_checkpoint(ref, cache_dir(cfg), verify_sha256=True))
     return resolve_model(ref)
+
+
+def resume_source(cfg: RunConfig, plan: "PhasePlan", init_ref: str) -> tuple[str, str, bool]:
+    """(ref, local dir, resumed?): the newest intact checkpoint of the phase — the one its pointer names, then
+    older step checkpoints — else the previous phase's result ``init_ref``. A corrupted or truncated checkpoint
+    is skipped with a warning naming the file, and the previous complete one is used."""
+    pointed = read_latest(plan.phase_uri)
+    candidates = [pointed] if pointed and checkpoint_exists(pointed) else []
+    for uri in reversed(list_checkpoints(plan.phase_uri)):  # newest step first
+        if uri.rstrip("/").rsplit("/", 1)[-1].startswith("step-") and uri.rstrip("/") not in {
+                c.rstrip("/") for c in candidates}:
+            candidates.append(uri)
+    for uri in candidates:
+        try:
+            return uri, local_model_dir(cfg, uri), True
+        except CheckpointCorrupted as e:
+            print(f"warning: phase {plan.phase}: checkpoint {uri} is damaged ({e.reason}); falling back to the "
+                  "previous complete checkpoint of the phase")
+    return init_ref, local_model_dir(cfg, init_ref), False
 
 
 FAULT_ENV = "SCALINGINTER_FAULT_AFTER_STEP"
@@ -214,9 +237,7 @@ class PhaseProgress:
 def open_phase(cfg: RunConfig, plan: PhasePlan, init_ref: str) -> tuple[str, PhaseProgress]:
     """Load the learner from the phase's last step checkpoint (resume) or the previous phase's result, and
     restore the optimizer, RNG, position and gate state from a checkpoint. Returns the session key."""
-    resume_uri = read_latest(plan.phase_uri)
-    src = resume_uri if resume_uri and checkpoint_exists(resume_uri) else init_ref
-    model_dir = local_model_dir(cfg, src)
+    src, model_dir, resumed = resume_source(cfg, plan, init_ref)
     key = T.open_session(cfg, model_dir, train=True, reference_dir=local_model_dir(cfg, cfg.model.path))
     prog = PhaseProgress(plan, cfg, start=plan.start, gate=Gate(**cfg.curriculum.gate.model_dump()) if plan.gated else None)
     if src != cfg.model.path:  # a checkpoint: restore optimizer, RNG and position
@@ -225,10 +246,10 @@ def open_phase(cfg: RunConfig, plan: PhasePlan, init_ref: str) -> tuple[str, Pha
         except BaseException:
             T.close_session(key)
             raise
-        if src == resume_uri:
+        if resumed:
             prog.done = int(state.get("phase_step", 0))
             prog.gstate = GateState.from_dict(state.get("gate"))
-            print(f"phase {plan.phase}: resuming after step {prog.done}/{plan.steps} from {resume_uri}")
+            print(f"phase {plan.phase}: resuming after step {prog.done}/{plan.steps} from {src}")
         if plan.gated:  # phases have data-dependent lengths: the position comes from the checkpoint
             prog.start = int(state.get("global_step", 0)) - prog.done
     return key, prog

@@ -80,3 +80,43 @@ def test_tasks_take_and_return_values(tmp_path):
         assert any(not torch.equal(a, b) for a, b in zip(mid, after))
     finally:
         T.close_session(key)
+
+
+def test_resume_verifies_hashes_and_falls_back_to_the_previous_complete_checkpoint(tmp_path, capsys):
+    """Every resume and eval load checks the manifest's sha256: a flipped byte (same size) or a truncated file
+    is named in the error; resume skips the damaged checkpoint, with a warning, for the phase's previous one,
+    and with none left starts the phase from the previous phase's result."""
+    from flows.config import build_config
+    from flows.scalinginter import PhasePlan, local_model_dir, resume_source
+    from tasks.checkpoint_store import CheckpointCorrupted, join_uri, save_checkpoint, write_latest
+
+    cfg = build_config("toy", None, [f"output_dir={tmp_path}", "run_name=r",
+                                     'curriculum.phases=[{"turn_limit": 1, "steps": 5}]'])
+    plan = PhasePlan.of(cfg, 1)
+    init = tmp_path / "init-model"
+    init.mkdir()
+    for n in (1, 2):
+        src = tmp_path / f"src{n}"
+        src.mkdir()
+        (src / "model.safetensors").write_bytes(bytes(range(256)) * 4 * n)
+        (src / "trainer_state.json").write_text(f'{{"phase_step": {n}}}')
+        out = save_checkpoint(src, join_uri(plan.phase_uri, f"step-{n:06d}"))
+        write_latest(plan.phase_uri, out)
+    step1, step2 = (join_uri(plan.phase_uri, f"step-{n:06d}") for n in (1, 2))
+    assert resume_source(cfg, plan, str(init))[::2] == (step2, True)
+
+    weights = tmp_path / "checkpoints" / "r" / "phase-1" / "step-000002" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[100] ^= 0xFF  # same size, different bytes: only the hash can tell
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorrupted, match="model.safetensors.*sha256 mismatch"):
+        local_model_dir(cfg, step2)  # an eval load of it fails, naming the file
+    ref, _, resumed = resume_source(cfg, plan, str(init))
+    assert (ref, resumed) == (step1, True)
+    assert "warning: phase 1: checkpoint" in capsys.readouterr().out
+
+    w1 = tmp_path / "checkpoints" / "r" / "phase-1" / "step-000001" / "model.safetensors"
+    w1.write_bytes(w1.read_bytes()[:-10])  # truncated
+    with pytest.raises(CheckpointCorrupted, match="model.safetensors.*size"):
+        local_model_dir(cfg, step1)
+    assert resume_source(cfg, plan, str(init)) == (str(init), str(init), False)
