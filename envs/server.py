@@ -623,7 +623,7 @@ def create_app(
     async def create(request: Request):
         try:  # a JSON object is required (and ignored): see RequestGuard
             body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested too deeply
             body = None
         if not isinstance(body, dict):
             raise ApiError(400, "malformed_json", "/create takes a JSON object body, e.g. {}")
