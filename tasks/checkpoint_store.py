@@ -41,9 +41,10 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 __all__ = [
     "CheckpointCorrupted",
@@ -52,7 +53,10 @@ __all__ = [
     "FORMAT_VERSION",
     "LATEST_NAME",
     "MANIFEST_NAME",
+    "LocalStore",
     "S3Options",
+    "S3Store",
+    "Store",
     "checkpoint_exists",
     "delete_checkpoint",
     "is_s3_uri",
@@ -62,6 +66,7 @@ __all__ = [
     "read_latest",
     "read_manifest",
     "save_checkpoint",
+    "store_for",
     "write_latest",
 ]
 
@@ -76,6 +81,7 @@ LATEST_FORMAT_NAME = "scalinginter.latest"
 _CHUNK = 8 * 1024 * 1024
 _MB = 1024 * 1024
 _CACHE_ENV = "SCALINGINTER_CHECKPOINT_CACHE"
+_UPLOAD_FILES_AT_ONCE = 4  # files uploaded in parallel by one save
 
 
 # --------------------------------------------------------------------------- errors
@@ -549,37 +555,6 @@ def _s3_delete_keys(client: Any, bucket: str, keys: list[str]) -> None:
 # --------------------------------------------------------------------------- save
 
 
-def save_checkpoint(
-    local_dir: str | os.PathLike[str],
-    uri: str,
-    *,
-    move: bool = False,
-    overwrite: bool = False,
-    options: S3Options | None = None,
-) -> str:
-    """Publish ``local_dir`` at ``uri`` atomically and return the normalized URI.
-
-    Local targets: files are copied (hashing in the same pass) into a hidden temp
-    directory next to the target, ``manifest.json`` is written last, everything is
-    fsynced, then the temp dir is renamed onto the target.  With ``move=True`` the
-    source directory is renamed instead of copied when it is on the same
-    filesystem (falls back to copy + delete otherwise).
-
-    S3 targets: every file is uploaded with boto3's managed transfer (multipart
-    above ``S3Options.multipart_threshold``), then ``manifest.json`` is PUT last.
-    With ``move=True`` the source directory is deleted after a successful upload.
-
-    An existing complete checkpoint at ``uri`` raises unless ``overwrite=True``.
-    Local URIs are returned as absolute paths.
-    """
-    src = Path(local_dir)
-    if not src.is_dir():
-        raise CheckpointStoreError(str(uri), f"source directory {str(src)!r} does not exist")
-    if is_s3_uri(uri):
-        return _save_s3(src, uri, move=move, overwrite=overwrite, options=options)
-    return _save_local(src, uri, move=move, overwrite=overwrite)
-
-
 def _save_local(src: Path, uri: str, *, move: bool, overwrite: bool) -> str:
     target = _local_path(uri)
     src_abs = Path(os.path.abspath(src))
@@ -705,20 +680,26 @@ def _save_s3(
     sources = _source_files(src)
     files: list[dict[str, Any]] = []
     uploaded: list[str] = []
+    def put(rel: str, full: Path) -> dict[str, Any]:
+        """Hash then upload one file in the same worker (the second read comes from the page cache); the
+        digest also goes on the object as metadata."""
+        size, digest = _sha256_file(full)
+        key = _s3_key(prefix, rel)
+        with _s3_errors(uri, f"uploading {rel}", bucket):
+            client.upload_file(str(full), bucket, key, ExtraArgs={"Metadata": {"sha256": digest}}, Config=tconfig)
+        uploaded.append(key)
+        return {"path": rel, "size": size, "sha256": digest}
+
     try:
-        for rel, full in sources:
-            size, digest = _sha256_file(full)
-            key = _s3_key(prefix, rel)
-            with _s3_errors(uri, f"uploading {rel}", bucket):
-                client.upload_file(
-                    str(full),
-                    bucket,
-                    key,
-                    ExtraArgs={"Metadata": {"sha256": digest}},
-                    Config=tconfig,
-                )
-            uploaded.append(key)
-            files.append({"path": rel, "size": size, "sha256": digest})
+        # files in parallel (each big one in parallel parts too); the manifest waits for all of them
+        with ThreadPoolExecutor(max_workers=max(1, min(_UPLOAD_FILES_AT_ONCE, len(sources)))) as pool:
+            futures = [pool.submit(put, rel, full) for rel, full in sources]
+            try:
+                files = [f.result() for f in futures]
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
 
         # Cheap sanity check before declaring the checkpoint complete.
         listed = {
@@ -764,36 +745,6 @@ def _save_s3(
 # --------------------------------------------------------------------------- load
 
 
-def read_manifest(uri: str, *, options: S3Options | None = None) -> dict[str, Any]:
-    """The parsed manifest of a complete checkpoint (raises CheckpointNotFound)."""
-    raw = _read_manifest_bytes(uri, options)
-    return _parse_manifest(raw, _normalize(uri))
-
-
-def _read_manifest_bytes(uri: str, options: S3Options | None) -> bytes:
-    if is_s3_uri(uri):
-        norm = _normalize(uri)
-        bucket, prefix = _split_s3(norm)
-        client = _s3_client(options)
-        raw = _s3_get_bytes(client, bucket, _s3_key(prefix, MANIFEST_NAME), norm, "manifest")
-        if raw is None:
-            raise CheckpointNotFound(
-                norm, "no complete checkpoint here (manifest.json missing: never saved or save incomplete)"
-            )
-        return raw
-    path = _local_path(uri)
-    try:
-        return (path / MANIFEST_NAME).read_bytes()
-    except FileNotFoundError:
-        if path.is_dir():
-            reason = "directory exists but has no manifest.json (incomplete or not a checkpoint)"
-        else:
-            reason = "no checkpoint at this path"
-        raise CheckpointNotFound(str(path), reason) from None
-    except NotADirectoryError:
-        raise CheckpointNotFound(str(path), "path is a file, not a checkpoint directory") from None
-
-
 def _verify_dir(root: Path, manifest: dict[str, Any], uri: str, *, sha: bool) -> None:
     for f in manifest["files"]:
         p = root / f["path"]
@@ -827,35 +778,6 @@ def _cache_dir_for(uri: str, cache_root: Path) -> Path:
     return cache_root / f"{tail[:64] or 'root'}-{digest}"
 
 
-def load_checkpoint(
-    uri: str,
-    cache_dir: str | os.PathLike[str] | None = None,
-    *,
-    verify_sha256: bool | None = None,
-    options: S3Options | None = None,
-) -> Path:
-    """Return a local directory holding the checkpoint at ``uri``.
-
-    Local: the directory itself, after checking the manifest and file sizes
-    (``verify_sha256=True`` also hashes every file).
-
-    S3: files are downloaded into ``<cache_dir>/<name>-<hash(uri)>`` (default cache
-    root: ``$SCALINGINTER_CHECKPOINT_CACHE`` or ``~/.cache/scalinginter/checkpoints``),
-    verified against the manifest (sizes and sha256 by default) and published into
-    the cache atomically.  A cache entry whose manifest equals the remote one is
-    reused without downloading.
-
-    Raises CheckpointNotFound if there is no complete checkpoint,
-    CheckpointCorrupted if files don't match the manifest.
-    """
-    if not is_s3_uri(uri):
-        path = _local_path(uri)
-        manifest = _parse_manifest(_read_manifest_bytes(uri, options), str(path))
-        _verify_dir(path, manifest, str(path), sha=bool(verify_sha256))
-        return path
-    return _load_s3(uri, cache_dir, verify_sha256=verify_sha256, options=options)
-
-
 def _load_s3(
     uri: str,
     cache_dir: str | os.PathLike[str] | None,
@@ -866,7 +788,7 @@ def _load_s3(
     uri = _normalize(uri)
     bucket, prefix = _split_s3(uri)
     client = _s3_client(options)
-    raw = _read_manifest_bytes(uri, options)
+    raw = S3Store(options).manifest_bytes(uri)
     manifest = _parse_manifest(raw, uri)
     root = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_root()
     root.mkdir(parents=True, exist_ok=True)
@@ -932,38 +854,60 @@ def _publish_cache(tmp: Path, target: Path, raw: bytes) -> None:
     _rmtree_quiet(trash)
 
 
-# --------------------------------------------------------------------------- queries
+# --------------------------------------------------------------------------- stores
 
 
-def checkpoint_exists(uri: str, *, options: S3Options | None = None) -> bool:
-    """True iff a complete checkpoint (manifest.json) is present at ``uri``."""
-    if not is_s3_uri(uri):
-        return (_local_path(uri) / MANIFEST_NAME).is_file()
-    from botocore.exceptions import ClientError
+class Store(Protocol):
+    """Where checkpoints live. The manifest format (``_build_manifest`` / ``_parse_manifest`` / ``_verify_dir``)
+    and the pointer format (``write_latest`` / ``read_latest``) are shared; a store only moves bytes. The public
+    functions of this module pick a store by the URI (``store_for``) and never branch on the scheme themselves."""
 
-    norm = _normalize(uri)
-    bucket, prefix = _split_s3(norm)
-    client = _s3_client(options)
-    with _s3_errors(norm, "checking checkpoint", bucket):
+    def save(self, src: Path, uri: str, *, move: bool, overwrite: bool) -> str: ...
+
+    def manifest_bytes(self, uri: str) -> bytes: ...  # raises CheckpointNotFound
+
+    def load(self, uri: str, cache_dir: str | os.PathLike[str] | None, *, verify_sha256: bool | None) -> Path: ...
+
+    def exists(self, uri: str) -> bool: ...
+
+    def delete(self, uri: str) -> bool: ...
+
+    def list(self, prefix_uri: str) -> list[str]: ...
+
+    def put_pointer(self, run: str, data: bytes) -> None: ...
+
+    def get_pointer(self, run: str) -> bytes | None: ...
+
+
+class LocalStore:
+    """Checkpoints on a local (or mounted) filesystem: atomic rename publish, fsynced manifest last."""
+
+    def save(self, src: Path, uri: str, *, move: bool, overwrite: bool) -> str:
+        return _save_local(src, uri, move=move, overwrite=overwrite)
+
+    def manifest_bytes(self, uri: str) -> bytes:
+        path = _local_path(uri)
         try:
-            client.head_object(Bucket=bucket, Key=_s3_key(prefix, MANIFEST_NAME))
-            return True
-        except ClientError as exc:
-            if not _is_not_found(exc):
-                raise
-    # HEAD can't tell a missing key from a missing bucket: disambiguate.
-    _check_bucket(client, bucket, norm)
-    return False
+            return (path / MANIFEST_NAME).read_bytes()
+        except FileNotFoundError:
+            if path.is_dir():
+                reason = "directory exists but has no manifest.json (incomplete or not a checkpoint)"
+            else:
+                reason = "no checkpoint at this path"
+            raise CheckpointNotFound(str(path), reason) from None
+        except NotADirectoryError:
+            raise CheckpointNotFound(str(path), "path is a file, not a checkpoint directory") from None
 
+    def load(self, uri: str, cache_dir: str | os.PathLike[str] | None, *, verify_sha256: bool | None) -> Path:
+        path = _local_path(uri)
+        manifest = _parse_manifest(self.manifest_bytes(uri), str(path))
+        _verify_dir(path, manifest, str(path), sha=bool(verify_sha256))
+        return path
 
-def delete_checkpoint(uri: str, *, options: S3Options | None = None) -> bool:
-    """Delete the checkpoint at ``uri``; return whether one was there.
+    def exists(self, uri: str) -> bool:
+        return (_local_path(uri) / MANIFEST_NAME).is_file()
 
-    The manifest goes first, so a delete cut short leaves an incomplete directory that
-    ``checkpoint_exists`` and ``load_checkpoint`` already treat as absent. Objects under a
-    prefix that merely starts with the same characters (``step-1`` vs ``step-10``) are untouched.
-    """
-    if not is_s3_uri(uri):
+    def delete(self, uri: str) -> bool:
         root = _local_path(uri)
         manifest = root / MANIFEST_NAME
         had = manifest.is_file()
@@ -973,29 +917,97 @@ def delete_checkpoint(uri: str, *, options: S3Options | None = None) -> bool:
         if root.is_dir():
             _rmtree_quiet(root)
         return had
-    norm = _normalize(uri)
-    bucket, prefix = _split_s3(norm)
-    client = _s3_client(options)
-    had = checkpoint_exists(norm, options=options)
-    manifest_key = _s3_key(prefix, MANIFEST_NAME)
-    with _s3_errors(norm, "deleting checkpoint", bucket):
-        if had:
-            client.delete_object(Bucket=bucket, Key=manifest_key)
-        keys = [o["Key"] for o in _s3_list(client, bucket, prefix.rstrip("/") + "/", norm)]
-        _s3_delete_keys(client, bucket, keys)
-    return had
+
+    def list(self, prefix_uri: str) -> list[str]:
+        root = _local_path(prefix_uri)
+        if not root.is_dir():
+            return []
+        found = []
+        for dirpath, dirs, names in os.walk(root):
+            if MANIFEST_NAME in names:
+                found.append(dirpath)
+                dirs[:] = []  # a checkpoint's subdirectories are not checkpoints
+                continue
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+        return sorted(found)
+
+    def put_pointer(self, run: str, data: bytes) -> None:
+        run_path = Path(run)
+        run_path.mkdir(parents=True, exist_ok=True)
+        tmp = _tmp_sibling(run_path / LATEST_NAME, "tmp")
+        try:
+            _write_file_durable(tmp, data)
+            os.replace(tmp, run_path / LATEST_NAME)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        _fsync_dir(run_path)
+
+    def get_pointer(self, run: str) -> bytes | None:
+        try:
+            return (Path(run) / LATEST_NAME).read_bytes()
+        except FileNotFoundError:
+            return None
 
 
-def list_checkpoints(prefix_uri: str, *, options: S3Options | None = None) -> list[str]:
-    """URIs of all complete checkpoints at or below ``prefix_uri``, sorted.
+class S3Store:
+    """Checkpoints on S3 or an S3-compatible server: files uploaded in parallel (multipart above the threshold,
+    retried), the manifest PUT last (a single PUT is atomic); loads go through a verified local cache."""
 
-    ``prefix_uri`` is treated as a directory.  Temp directories and objects without
-    a manifest are ignored.  Local results are absolute paths.
-    """
-    if is_s3_uri(prefix_uri):
+    def __init__(self, options: S3Options | None = None):
+        self.options = options
+
+    def save(self, src: Path, uri: str, *, move: bool, overwrite: bool) -> str:
+        return _save_s3(src, uri, move=move, overwrite=overwrite, options=self.options)
+
+    def manifest_bytes(self, uri: str) -> bytes:
+        norm = _normalize(uri)
+        bucket, prefix = _split_s3(norm)
+        raw = _s3_get_bytes(_s3_client(self.options), bucket, _s3_key(prefix, MANIFEST_NAME), norm, "manifest")
+        if raw is None:
+            raise CheckpointNotFound(
+                norm, "no complete checkpoint here (manifest.json missing: never saved or save incomplete)"
+            )
+        return raw
+
+    def load(self, uri: str, cache_dir: str | os.PathLike[str] | None, *, verify_sha256: bool | None) -> Path:
+        return _load_s3(uri, cache_dir, verify_sha256=verify_sha256, options=self.options)
+
+    def exists(self, uri: str) -> bool:
+        from botocore.exceptions import ClientError
+
+        norm = _normalize(uri)
+        bucket, prefix = _split_s3(norm)
+        client = _s3_client(self.options)
+        with _s3_errors(norm, "checking checkpoint", bucket):
+            try:
+                client.head_object(Bucket=bucket, Key=_s3_key(prefix, MANIFEST_NAME))
+                return True
+            except ClientError as exc:
+                if not _is_not_found(exc):
+                    raise
+        # HEAD can't tell a missing key from a missing bucket: disambiguate.
+        _check_bucket(client, bucket, norm)
+        return False
+
+    def delete(self, uri: str) -> bool:
+        norm = _normalize(uri)
+        bucket, prefix = _split_s3(norm)
+        client = _s3_client(self.options)
+        had = self.exists(norm)
+        manifest_key = _s3_key(prefix, MANIFEST_NAME)
+        with _s3_errors(norm, "deleting checkpoint", bucket):
+            if had:
+                client.delete_object(Bucket=bucket, Key=manifest_key)
+            keys = [o["Key"] for o in _s3_list(client, bucket, prefix.rstrip("/") + "/", norm)]
+            _s3_delete_keys(client, bucket, keys)
+        return had
+
+    def list(self, prefix_uri: str) -> list[str]:
         norm = _normalize(prefix_uri)
         bucket, prefix = _split_s3(norm)
-        client = _s3_client(options)
+        client = _s3_client(self.options)
         _check_bucket(client, bucket, norm)
         found = []
         list_prefix = prefix + "/" if prefix else ""
@@ -1012,20 +1024,106 @@ def list_checkpoints(prefix_uri: str, *, options: S3Options | None = None) -> li
 
         return sorted(_s3_uri(bucket, k) for k in found if not nested(k))
 
-    root = _local_path(prefix_uri)
-    if not root.is_dir():
-        return []
-    found = []
-    for dirpath, dirs, names in os.walk(root):
-        if MANIFEST_NAME in names:
-            found.append(dirpath)
-            dirs[:] = []  # a checkpoint's subdirectories are not checkpoints
-            continue
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
-    return sorted(found)
+    def put_pointer(self, run: str, data: bytes) -> None:
+        bucket, prefix = _split_s3(run)
+        with _s3_errors(join_uri(run, LATEST_NAME), "writing latest pointer", bucket):
+            _s3_client(self.options).put_object(Bucket=bucket, Key=_s3_key(prefix, LATEST_NAME), Body=data,
+                                                ContentType="application/json")
+
+    def get_pointer(self, run: str) -> bytes | None:
+        bucket, prefix = _split_s3(run)
+        return _s3_get_bytes(_s3_client(self.options), bucket, _s3_key(prefix, LATEST_NAME),
+                             join_uri(run, LATEST_NAME), "latest pointer")
 
 
-# --------------------------------------------------------------------------- latest
+def store_for(uri: str | os.PathLike[str], options: S3Options | None = None) -> Store:
+    """The store of a URI: ``s3://...`` on S3, anything else on the local filesystem."""
+    return S3Store(options) if is_s3_uri(uri) else LocalStore()
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def save_checkpoint(
+    local_dir: str | os.PathLike[str],
+    uri: str,
+    *,
+    move: bool = False,
+    overwrite: bool = False,
+    options: S3Options | None = None,
+) -> str:
+    """Publish ``local_dir`` at ``uri`` atomically and return the normalized URI.
+
+    Local targets: files are copied (hashing in the same pass) into a hidden temp
+    directory next to the target, ``manifest.json`` is written last, everything is
+    fsynced, then the temp dir is renamed onto the target.  With ``move=True`` the
+    source directory is renamed instead of copied when it is on the same
+    filesystem (falls back to copy + delete otherwise).
+
+    S3 targets: files are hashed and uploaded in parallel (boto3's managed transfer,
+    multipart above ``S3Options.multipart_threshold``), then ``manifest.json`` is PUT
+    last.  With ``move=True`` the source directory is deleted after a successful upload.
+
+    An existing complete checkpoint at ``uri`` raises unless ``overwrite=True``.
+    Local URIs are returned as absolute paths.
+    """
+    src = Path(local_dir)
+    if not src.is_dir():
+        raise CheckpointStoreError(str(uri), f"source directory {str(src)!r} does not exist")
+    return store_for(uri, options).save(src, uri, move=move, overwrite=overwrite)
+
+
+def read_manifest(uri: str, *, options: S3Options | None = None) -> dict[str, Any]:
+    """The parsed manifest of a complete checkpoint (raises CheckpointNotFound)."""
+    return _parse_manifest(store_for(uri, options).manifest_bytes(uri), _normalize(uri))
+
+
+def load_checkpoint(
+    uri: str,
+    cache_dir: str | os.PathLike[str] | None = None,
+    *,
+    verify_sha256: bool | None = None,
+    options: S3Options | None = None,
+) -> Path:
+    """Return a local directory holding the checkpoint at ``uri``.
+
+    Local: the directory itself, after checking the manifest and file sizes
+    (``verify_sha256=True`` also hashes every file).
+
+    S3: files are downloaded into ``<cache_dir>/<name>-<hash(uri)>`` (default cache
+    root: ``$SCALINGINTER_CHECKPOINT_CACHE`` or ``~/.cache/scalinginter/checkpoints``),
+    verified against the manifest (sizes and sha256 by default) and published into
+    the cache atomically.  A cache entry whose manifest equals the remote one is
+    reused without downloading (and re-hashed with ``verify_sha256=True``).
+
+    Raises CheckpointNotFound if there is no complete checkpoint,
+    CheckpointCorrupted if files don't match the manifest (naming the file).
+    """
+    return store_for(uri, options).load(uri, cache_dir, verify_sha256=verify_sha256)
+
+
+def checkpoint_exists(uri: str, *, options: S3Options | None = None) -> bool:
+    """True iff a complete checkpoint (manifest.json) is present at ``uri``."""
+    return store_for(uri, options).exists(uri)
+
+
+def delete_checkpoint(uri: str, *, options: S3Options | None = None) -> bool:
+    """Delete the checkpoint at ``uri``; return whether one was there.
+
+    The manifest goes first, so a delete cut short leaves an incomplete directory that
+    ``checkpoint_exists`` and ``load_checkpoint`` already treat as absent. Objects under a
+    prefix that merely starts with the same characters (``step-1`` vs ``step-10``) are untouched.
+    """
+    return store_for(uri, options).delete(uri)
+
+
+def list_checkpoints(prefix_uri: str, *, options: S3Options | None = None) -> list[str]:
+    """URIs of all complete checkpoints at or below ``prefix_uri``, sorted.
+
+    ``prefix_uri`` is treated as a directory.  Temp directories and objects without
+    a manifest are ignored.  Local results are absolute paths.
+    """
+    return store_for(prefix_uri, options).list(prefix_uri)
 
 
 def write_latest(
@@ -1049,29 +1147,8 @@ def write_latest(
         "relative": _relative_to(ckpt, run),
         "written_at": written_at,
     }
-    data = (json.dumps(doc, indent=2) + "\n").encode()
-    pointer = join_uri(run, LATEST_NAME)
-    if is_s3_uri(run):
-        bucket, prefix = _split_s3(run)
-        client = _s3_client(options)
-        with _s3_errors(pointer, "writing latest pointer", bucket):
-            client.put_object(
-                Bucket=bucket, Key=_s3_key(prefix, LATEST_NAME), Body=data,
-                ContentType="application/json",
-            )
-        return pointer
-    run_path = Path(run)
-    run_path.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_sibling(run_path / LATEST_NAME, "tmp")
-    try:
-        _write_file_durable(tmp, data)
-        os.replace(tmp, run_path / LATEST_NAME)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    _fsync_dir(run_path)
-    return pointer
+    store_for(run, options).put_pointer(run, (json.dumps(doc, indent=2) + "\n").encode())
+    return join_uri(run, LATEST_NAME)
 
 
 def read_latest(run_uri: str, *, options: S3Options | None = None) -> str | None:
@@ -1081,24 +1158,16 @@ def read_latest(run_uri: str, *, options: S3Options | None = None) -> str | None
     load_checkpoint for that).
     """
     run = _normalize(run_uri)
-    pointer = join_uri(run, LATEST_NAME)
-    if is_s3_uri(run):
-        bucket, prefix = _split_s3(run)
-        raw = _s3_get_bytes(_s3_client(options), bucket, _s3_key(prefix, LATEST_NAME), pointer, "latest pointer")
-        if raw is None:
-            return None
-    else:
-        try:
-            raw = (Path(run) / LATEST_NAME).read_bytes()
-        except FileNotFoundError:
-            return None
+    raw = store_for(run, options).get_pointer(run)
+    if raw is None:
+        return None
     try:
         doc = json.loads(raw)
     except ValueError:
         text = raw.decode(errors="replace").strip()  # tolerate a plain-text pointer
         return text or None
     if not isinstance(doc, dict) or not isinstance(doc.get("checkpoint"), str):
-        raise CheckpointStoreError(pointer, "latest pointer is malformed")
+        raise CheckpointStoreError(join_uri(run, LATEST_NAME), "latest pointer is malformed")
     rel = doc.get("relative")
     if isinstance(rel, str) and rel:
         return join_uri(run, rel)

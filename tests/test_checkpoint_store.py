@@ -454,3 +454,23 @@ def test_delete_checkpoint_s3(s3_env, tmp_path: Path) -> None:
     assert list_checkpoints(run) == [c10]
     assert delete_checkpoint(c1) is False
     assert tree(load_checkpoint(c10, cache_dir=tmp_path / "cache")) == tree(tmp_path / "s10")
+
+
+def test_public_functions_go_through_one_store_interface() -> None:
+    """Every public function picks a Store by the URI (store_for) instead of branching on the scheme; both stores
+    implement the whole protocol."""
+    import ast
+    import inspect
+
+    from tasks.checkpoint_store import LocalStore, S3Store, Store, store_for
+
+    tree = ast.parse(inspect.getsource(cs))
+    branching = [f.name for f in tree.body if isinstance(f, ast.FunctionDef) and not f.name.startswith("_")
+                 and f.name not in ("is_s3_uri", "join_uri", "store_for")
+                 and any(isinstance(n, ast.Name) and n.id == "is_s3_uri" for n in ast.walk(f))]
+    assert branching == []
+    methods = {n for n, v in vars(Store).items() if callable(v) and not n.startswith("_")}
+    assert methods == {"save", "manifest_bytes", "load", "exists", "delete", "list", "put_pointer", "get_pointer"}
+    for impl in (LocalStore, S3Store):
+        assert methods <= set(dir(impl)), impl
+    assert isinstance(store_for("s3://b/k"), S3Store) and isinstance(store_for("/tmp/x"), LocalStore)
