@@ -10,6 +10,7 @@ first turn within seconds. Before the cap, all 6 resets were sent at once: 4 wai
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 
@@ -108,9 +109,9 @@ def test_eval_of_three_times_the_pool_never_waits_for_a_context(capsys):
     from tasks.backends.model import resolve_model
     from tasks.steps import _rollout, close_session, get_session, open_session
 
-    opts = {"tasks": "click-button,click-test", "max_contexts": POOL, "acquire_timeout_s": 20}
-    cfg = build_config("miniwob", None, ["rollout.backend=transformers", "rollout.env_retries=0",
-                                         f"env.options={__import__('json').dumps(opts)}"])
+    # generous page timeouts: a loaded 2-core machine may be slow to render, which is not what this test is about
+    opts = {"tasks": "click-button,click-test", "max_contexts": POOL, "acquire_timeout_s": 20, "action_timeout_s": 30}
+    cfg = build_config("miniwob", None, ["rollout.backend=transformers", f"env.options={json.dumps(opts)}"])
     assert cfg.rollout.max_live_episodes is None  # no preset: the cap must come from the server
     with EnvServerProcess("miniwob", env_options=opts, startup_timeout_s=90) as srv:
         with EnvClient(srv.url) as c:
@@ -134,9 +135,11 @@ def test_eval_of_three_times_the_pool_never_waits_for_a_context(capsys):
                                 "eval")
         finally:
             close_session(key)
+        server_log = srv.log_tail(400)
     out = capsys.readouterr().out
     assert len(trajs) == 3 * POOL
-    assert [t.error for t in trajs if t.masked] == [] and m["retried_episodes"] == 0  # no pool timeout
+    assert "PoolExhausted" not in server_log and "contexts are in use" not in server_log, server_log[-3000:]
+    assert [t.error for t in trajs if t.masked] == [], server_log[-3000:]  # no masked episode
     assert all(t.turns >= 1 for t in trajs)
-    assert first[0] - t0 < 15, f"first turn after {first[0] - t0:.1f} s"  # the pool's timeout is 20 s
+    assert first[0] - t0 < 20, f"first turn after {first[0] - t0:.1f} s"  # before the pool timeout (20 s)
     assert f"{3 * POOL} episodes, at most {POOL} live at once" in out and "waiting for env capacity" in out
