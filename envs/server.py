@@ -5,7 +5,7 @@ Endpoints (``env_idx`` is accepted everywhere as an alias of ``id``, the AgentGy
 =======================  ====================================  ==================================================
 ``GET  /health``         -                                     ``{"status": "ok", "env", "live_envs", "capacity",
                                                                "max_envs", ...}`` (capacity: the env's pool size)
-``POST /create``         optional body, ignored                ``{"id": n}``  (ids are never reused)
+``POST /create``         a JSON object, ignored                ``{"id": n}``  (ids are never reused)
 ``POST /reset``          ``{"id", "data_idx"}``                ``{"observation", "reward", "done", "terminated",
                                                                "truncated", "info", "instruction"}``
 ``POST /step``           ``{"id", "action"}``                  ``{"observation", "reward", "done", "terminated",
@@ -15,7 +15,9 @@ Endpoints (``env_idx`` is accepted everywhere as an alias of ``id``, the AgentGy
 =======================  ====================================  ==================================================
 
 Errors are real HTTP statuses with a JSON body ``{"error": message, "code": code}``:
-400 ``malformed_json`` / ``bad_data_idx``; 422 ``invalid_request`` (missing or mistyped fields);
+400 ``malformed_json`` / ``bad_data_idx`` (a task index outside the env's tasks; any other reset failure is a 500);
+401 ``unauthorized`` (a token is set and the request lacks it); 413 ``body_too_large``; 415 (POST bodies must be
+JSON); 422 ``invalid_request`` (missing or mistyped fields; ids are strict ints) / ``action_too_long``;
 404 ``unknown_id`` (never issued) / ``env_closed`` (closed or reaped) / ``not_found`` (no such route);
 409 ``not_reset`` / ``episode_done`` / ``env_broken`` (the env raised; reset it); 429 ``too_many_envs``;
 500 ``env_error`` / ``env_create_failed`` / ``internal_error``. The server keeps serving after env errors.
