@@ -51,7 +51,7 @@ def summarize(name: str, run_id: str, histories: dict[str, Series], turn_limits:
     to their (step, value) series."""
     train = {k: histories.get(k) or [] for k in ("success_rate", "mean_reward", "mean_turns")}
     steps = len({s for ser in train.values() for s, _ in ser})  # distinct training steps logged
-    held = last_value(histories.get("eval_after/success_rate"))
+    held = last_value(histories.get("eval_after/success_rate") or histories.get("heldout/success_rate"))
     train_success = last_value(train["success_rate"])
     if held is not None:
         success, source = held, "held-out"
@@ -64,7 +64,8 @@ def summarize(name: str, run_id: str, histories: dict[str, Series], turn_limits:
                       wall_time_s=wall, success=success, success_source=source,
                       reward=last_value(train["mean_reward"]), turns=last_value(train["mean_turns"]),
                       train_success=train_success,
-                      curves={k: sorted(v) for k, v in train.items() if v})
+                      curves={k: sorted(v) for k, v in {**train, "heldout/success_rate":
+                                                        histories.get("heldout/success_rate") or []}.items() if v})
 
 
 def _fmt(v: float | None, spec: str) -> str:

@@ -175,6 +175,9 @@ class EvalConfig(_Strict):
     max_new_tokens: int | None = Field(None, ge=1, description="Default: rollout.max_new_tokens.")
     before: bool = Field(True, description="Score the initial model before training.")
     after: bool = Field(True, description="Score the final model after training.")
+    each_phase: bool = Field(False, description="Also score every phase's final checkpoint on the same held-out "
+                                                "tasks (eval_phase-<k>.json; MLflow heldout/success_rate at the "
+                                                "phase's last global step): a held-out learning curve.")
 
 
 class TrackingConfig(_Strict):

@@ -12,7 +12,7 @@ from typing import Any
 
 from core.compare import RunSummary, side_by_side, summarize
 
-CURVE_METRICS = ("success_rate", "mean_reward", "mean_turns", "eval_after/success_rate")
+CURVE_METRICS = ("success_rate", "mean_reward", "mean_turns", "eval_after/success_rate", "heldout/success_rate")
 
 
 def _client(tracking_uri: str):
@@ -68,6 +68,8 @@ def plot_curves(runs: list[RunSummary], path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     panels = [("success_rate", "train success rate"), ("mean_reward", "mean reward"),
               ("mean_turns", "mean turns")]
+    if any(r.curves.get("heldout/success_rate") for r in runs):  # eval.each_phase: the held-out curve
+        panels.insert(1, ("heldout/success_rate", "held-out success"))
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), constrained_layout=True)
     for ax, (key, label) in zip(axes, panels):
         for r in runs:

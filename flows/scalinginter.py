@@ -402,6 +402,30 @@ def _cached_eval(cfg: RunConfig, path: Path, ref: str) -> dict[str, Any]:
     return doc
 
 
+def _phase_end_step(cfg: RunConfig, phase: int, ref: str) -> int:
+    """The global step at which ``phase`` ended: its checkpoint's own (gated phases end early), else the plan's."""
+    state = Path(ref) / "trainer_state.json"
+    if state.exists():
+        try:
+            return int(json.loads(state.read_text())["global_step"])
+        except (ValueError, KeyError):
+            pass
+    phases = cfg.curriculum.as_phases()
+    return phase_start(phases, phase - 1) + phases[phase - 1].steps
+
+
+def _phase_eval(cfg: RunConfig, tracker: Tracker, parent: str, phase: int, ref: str) -> None:
+    """eval.each_phase: the phase's final on the run's held-out tasks, a point of the held-out learning curve."""
+    step = _phase_end_step(cfg, phase, ref)
+    print(f"evaluating phase {phase}'s final model on {cfg.eval.n} held-out tasks ({cfg.eval_turn_limit} turns)")
+    doc = _cached_eval(cfg, run_dir(cfg) / f"eval_phase-{phase}.json", ref)
+    doc["global_step"] = step
+    (run_dir(cfg) / f"eval_phase-{phase}.json").write_text(json.dumps(doc, indent=2))
+    m = flat_metrics(doc)
+    tracker.log_metrics(parent, {"heldout/success_rate": m["success_rate"]}, step=step)
+    print(f"phase {phase} held-out: " + fmt(m, ["success_rate", "success_rate_ci_low", "success_rate_ci_high"]))
+
+
 def paired_eval(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
     """After vs before on the same tasks and seeds (exact McNemar on the greedy outcomes, paired bootstrap interval
     of the difference) at the eval budget; None unless both exist on the same tasks."""
@@ -458,15 +482,21 @@ def scalinginter(config: RunConfig | None = None, env: str = "babyai", preset: s
             tracker.log_metrics(parent, {f"eval_before/{k}": v for k, v in before.items()}, step=0)
             print("before: " + fmt(before, ["success_rate", "success_rate_ci_low", "success_rate_ci_high",
                                             "mean_reward", "mean_turns"]))
+        if before is not None:
+            tracker.log_metrics(parent, {"heldout/success_rate": before["success_rate"]}, step=0)
         ref = cfg.model.path
         for k in range(len(phases)):
             ref = phase_flow(cfg, k + 1, ref, parent)
+            if cfg.eval.each_phase and not (cfg.eval.after and k + 1 == len(phases)):
+                _phase_eval(cfg, tracker, parent, k + 1, ref)
         after = None
         if cfg.eval.after:
             print(f"evaluating the final model on {cfg.eval.n} held-out tasks")
             after_doc = _cached_eval(cfg, rd / "eval_after.json", ref)
             after = flat_metrics(after_doc)
             tracker.log_metrics(parent, {f"eval_after/{k}": v for k, v in after.items()}, step=total_steps(phases))
+            tracker.log_metrics(parent, {"heldout/success_rate": after["success_rate"]},
+                                step=_phase_end_step(cfg, len(phases), ref))
         paired = paired_eval(before_doc, after_doc)
         if paired is not None:
             tracker.log_metrics(parent, {"eval_after/diff_vs_before": paired["diff"],

@@ -32,6 +32,10 @@ def test_summarize_prefers_held_out_success():
     assert (s.reward, s.turns, s.steps, s.wall_time_s, s.curriculum) == (0.4, 2.5, 3, 60.0, "2>3")
     s2 = summarize("b", "id-b", {"success_rate": [(0, 0.1), (4, 0.2), (4, 0.2)]}, [4], None, None)
     assert (s2.success, s2.success_source, s2.wall_time_s, s2.reward, s2.steps) == (0.2, "train", None, None, 2)
+    s4 = summarize("d", "id-d", {"success_rate": [(1, 0.5)], "heldout/success_rate": [(0, 0.1), (4, 0.3)]},
+                   [2, 2], None, None)  # eval.each_phase's held-out curve: its last point is the held-out success
+    assert (s4.success, s4.success_source, s4.curriculum) == (0.3, "held-out", "2")
+    assert s4.curves["heldout/success_rate"] == [(0, 0.1), (4, 0.3)]
     s3 = summarize("c", "id-c", {}, [], 5, 1)  # nothing logged, clock skew: no wall time
     assert (s3.success, s3.success_source, s3.wall_time_s, s3.steps) == (None, "-", None, 0)
 

@@ -1,0 +1,320 @@
+"""ScalingInter vs fixed horizons, as one command.
+
+    python bench/learning_study.py --env babyai --arms scalinginter,fixed-short,fixed-long --seeds 2
+
+Every arm trains from the same base model for the same steps and episodes per step (the preset's), and
+differs only in the turn limit of its phases (``core.study.arm_phases``): growing (ScalingInter), fixed at
+the first phase's limit, fixed at the last phase's. Each run evaluates its phase finals on the same held-out
+tasks (greedy, at the largest budget of ``--budgets``) from inside the training run, so the held-out curve
+costs no extra engine start; the base model is scored once on the same tasks. The final checkpoint of each
+run is then scored at every budget of ``--budgets`` (the interaction-scaling sweep).
+
+Everything is logged to one MLflow experiment (``--experiment``, default ``learning-study-<env>``), so
+``scalinginter compare --experiment learning-study-babyai RUN ...`` and ``notebooks/compare_runs.ipynb``
+show the runs side by side. The table, the JSON and a PNG (held-out success vs training step per arm: mean
+over seeds, min-max band) go to ``--results`` (default ``bench/results/``).
+
+Each training run and evaluation is a subprocess (``scalinginter run`` / ``scalinginter eval``) whose output
+goes to a log file under ``--output-dir``; the console shows our progress lines. Re-running the same command
+resumes: finished runs are skipped (their summary exists), an unfinished one resumes from its checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from core.study import ARMS, arm_phases, curve_over_seeds, parse_arms, pooled_successes  # noqa: E402
+
+EVAL_KEYS = ("rollout.backend=", "rollout.vllm", "model.")
+PROGRESS_PREFIXES = ("phase ", "ScalingInter run", "evaluating", "before:", "after:", "held-out", "error")
+
+
+def _cli() -> list[str]:
+    return [sys.executable, "-m", "flows.cli"]
+
+
+def _run_logged(cmd: list[str], log: Path, label: str) -> float:
+    """Run ``cmd`` with its output in ``log``; echo our progress lines; return the wall time."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log, "a") as fh:
+        fh.write(f"\n$ {' '.join(cmd)}\n")
+        fh.flush()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                                text=True, errors="replace")
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            fh.write(line)
+            if line.startswith(PROGRESS_PREFIXES):
+                print(f"  [{label}] {line.rstrip()}", flush=True)
+        rc = proc.wait()
+    if rc != 0:
+        tail = log.read_text(errors="replace").splitlines()[-15:]
+        raise SystemExit(f"{label} failed (exit {rc}); log: {log}\n" + "\n".join(tail))
+    return time.time() - t0
+
+
+def preset_config(env: str, preset: str, overrides: list[str]):
+    from flows.config import build_config
+
+    return build_config(env, preset, overrides)
+
+
+def train_arm(a: argparse.Namespace, arm: str, seed: int, phases: list[dict], budget: int) -> dict[str, Any]:
+    name = f"study-{a.env}-{arm}-s{seed}"
+    run_dir = Path(a.output_dir).resolve() / name
+    summary_path = run_dir / "summary.json"
+    log = Path(a.output_dir).resolve() / "logs" / f"{name}.log"
+    wall = None
+    if not summary_path.exists():
+        cmd = _cli() + ["run", a.env, "--preset", a.preset, "--run-name", name,
+                        "--set", f"seed={seed}",
+                        "--set", f"curriculum.phases={json.dumps(arm_phases(phases, arm))}",
+                        "--set", f"output_dir={Path(a.output_dir).resolve()}",
+                        "--set", f"tracking.experiment={a.experiment}",
+                        "--set", "eval.before=false", "--set", "eval.after=false",
+                        "--set", "eval.each_phase=true", "--set", f"eval.n={a.eval_n}",
+                        "--set", f"eval.turn_limit={budget}"]
+        for s in a.set:
+            cmd += ["--set", s]
+        print(f"training {name}: turn limits {' -> '.join(str(p['turn_limit']) for p in arm_phases(phases, arm))}",
+              flush=True)
+        wall = _run_logged(cmd, log, name)
+    summary = json.loads(summary_path.read_text())
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    by_step = {int(m["global_step"]): m for m in metrics}  # a resumed step logged twice keeps its last record
+    phase_evals = []
+    for k in range(1, len(phases) + 1):
+        p = run_dir / f"eval_phase-{k}.json"
+        if p.exists():
+            phase_evals.append(json.loads(p.read_text()))
+    return {
+        "run_name": name, "arm": arm, "seed": seed, "final_checkpoint": summary["final_checkpoint"],
+        "mlflow_run_id": summary.get("mlflow_run_id"),
+        "wall_time_s": wall if wall is not None else summary.get("wall_time_s"),
+        "steps": len(by_step),
+        "generated_tokens": int(sum(m.get("generated_tokens", 0.0) for m in by_step.values())),
+        "train_success": {s: m.get("success_rate") for s, m in sorted(by_step.items())},
+        "heldout_by_step": {int(e["global_step"]): e for e in phase_evals},
+    }
+
+
+def evaluate(a: argparse.Namespace, ref: str, label: str, budgets: list[int], env_options: dict | None,
+             max_new_tokens: int) -> dict[str, Any]:
+    """``scalinginter eval`` (greedy, every budget in one engine call); its JSON document (flows.evaluate)."""
+    out = Path(a.output_dir).resolve() / "evals" / f"{label}.json"
+    if not out.exists():
+        cmd = _cli() + ["eval", ref, a.env, "--n", str(a.eval_n), "--turn-limits", ",".join(map(str, budgets)),
+                        "--max-new-tokens", str(max_new_tokens), "--json", str(out),
+                        "--experiment", a.experiment]
+        if env_options is not None:  # the base model has no checkpoint to read the trained options from
+            cmd += ["--set", f"env.options={json.dumps(env_options)}"]
+        for s in a.set:  # how to generate (backend, engine settings, model) is the same as in training
+            if s.startswith(EVAL_KEYS):
+                cmd += ["--set", s]
+        print(f"evaluating {label} on {a.eval_n} held-out tasks at turn budgets {budgets}", flush=True)
+        _run_logged(cmd, Path(a.output_dir).resolve() / "logs" / f"eval-{label}.log", label)
+    return json.loads(out.read_text())
+
+
+def per_task_success(doc: dict[str, Any], budget: int, model: str = "model") -> list[float]:
+    """Per-task success (Avg@K over the task's unmasked samples; greedy: 0 or 1) at one budget, in task order."""
+    cell = doc["models"][model]["budgets"][str(budget)]
+    out = []
+    for t in cell["per_task"]:
+        s = [x for x in t["successes"] if x is not None]
+        out.append(sum(s) / len(s) if s else 0.0)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--env", default="babyai")
+    ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated: " + ", ".join(ARMS))
+    ap.add_argument("--seeds", type=int, default=2, help="training seeds per arm (0..N-1)")
+    ap.add_argument("--preset", default="smoke", help="the ScalingInter curriculum and recipe every arm starts from")
+    ap.add_argument("--set", action="append", default=[], help="config override for every run (key.path=value)")
+    ap.add_argument("--eval-n", type=int, default=96, help="held-out tasks (the same for every arm and seed)")
+    ap.add_argument("--budgets", default=None, help="turn budgets of the final sweep (default: the arms' limits)")
+    ap.add_argument("--output-dir", default="runs-study", help="runs, checkpoints, MLflow store and logs")
+    ap.add_argument("--experiment", default=None, help="MLflow experiment (default learning-study-<env>)")
+    ap.add_argument("--results", default=str(ROOT / "bench" / "results"), help="where the JSON/PNG/table go")
+    ap.add_argument("--keep-checkpoints", action="store_true", help="keep the runs' checkpoints (default: delete "
+                                                                     "them once scored; ~0.5-1.6 GB each)")
+    a = ap.parse_args(argv)
+    try:
+        arms = parse_arms(a.arms)
+    except ValueError as e:
+        ap.error(str(e))
+    if a.seeds < 1:
+        ap.error("--seeds must be >= 1")
+    a.experiment = a.experiment or f"learning-study-{a.env}"
+    cfg = preset_config(a.env, a.preset, a.set)
+    phases = [p.model_dump() for p in cfg.curriculum.phases]
+    mnt = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
+    limits = sorted({phases[0]["turn_limit"], phases[-1]["turn_limit"]} | {p["turn_limit"] for p in phases})
+    budgets = sorted(int(x) for x in a.budgets.split(",")) if a.budgets else limits
+    big = max(budgets)
+    os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{Path(a.output_dir).resolve() / 'mlflow.db'}")
+    Path(a.output_dir).mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+    print(f"learning study on {a.env}: arms {', '.join(arms)} x {a.seeds} seed(s), preset {a.preset} "
+          f"({sum(p['steps'] for p in phases)} steps), held-out n={a.eval_n}, budgets {budgets}; "
+          f"MLflow experiment {a.experiment!r} ({os.environ['MLFLOW_TRACKING_URI']}); logs in {a.output_dir}/logs",
+          flush=True)
+    base = evaluate(a, cfg.model.path, "base", budgets, cfg.env.options, mnt)
+    runs = []
+    for seed in range(a.seeds):
+        for arm in arms:
+            r = train_arm(a, arm, seed, phases, big)
+            r["final_eval"] = evaluate(a, r["final_checkpoint"], r["run_name"], budgets, None, mnt)
+            runs.append(r)
+            if not a.keep_checkpoints:
+                _drop_checkpoints(Path(a.output_dir).resolve() / "checkpoints" / r["run_name"])
+    report = build_report(a, arms, phases, budgets, base, runs, time.time() - t_start)
+    write_outputs(a, report)
+    return 0
+
+
+def _drop_checkpoints(path: Path) -> None:
+    import shutil
+
+    if path.exists():
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def build_report(a: argparse.Namespace, arms: list[str], phases: list[dict], budgets: list[int],
+                 base: dict[str, Any], runs: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+    from core.evalreport import flat_metrics
+    from core.stats import mcnemar_exact, paired_bootstrap, wilson_interval
+
+    big = max(budgets)
+    base_s = per_task_success(base, big)
+    arms_out: dict[str, Any] = {}
+    for arm in arms:
+        rs = [r for r in runs if r["arm"] == arm]
+        per_seed = [per_task_success(r["final_eval"], big) for r in rs]
+        pooled = pooledper_task_success(per_seed)
+        n = len(pooled)
+        k = sum(sum(p) for p in per_seed)
+        lo, hi = wilson_interval(int(round(k)), n * len(per_seed))
+        vs_base = [mcnemar_exact(sum(1 for x, y in zip(base_s, s) if y > x), sum(1 for x, y in zip(base_s, s) if x > y))
+                   for s in per_seed]
+        # held-out curve: the base at step 0, each phase final (eval.each_phase), the final at the last step
+        curves = [{0: sum(base_s) / n,
+                   **{s: flat_metrics(e)["success_rate"] for s, e in r["heldout_by_step"].items()},
+                   r["steps"]: sum(p) / n} for r, p in zip(rs, per_seed)]
+        train_curves = [{int(s): float(v) for s, v in r["train_success"].items() if v is not None} for r in rs]
+        arms_out[arm] = {
+            "turn_limits": [p["turn_limit"] for p in arm_phases(phases, arm)],
+            "runs": [r["run_name"] for r in rs],
+            "heldout_success": k / (n * len(per_seed)), "ci95": [lo, hi],
+            "per_seed_success": [sum(p) / n for p in per_seed],
+            "vs_base_mcnemar_p": vs_base,
+            "sweep": {b: sum(sum(per_task_success(r["final_eval"], b)) for r in rs) / (n * len(rs)) for b in budgets},
+            "steps": rs[0]["steps"] if rs else 0,
+            "generated_tokens": sum(r["generated_tokens"] for r in rs) / max(len(rs), 1),
+            "wall_time_s": (sum(r["wall_time_s"] or 0 for r in rs) / max(len(rs), 1)),
+            "curve": {s: vars(b) for s, b in curve_over_seeds(curves).items()},
+            "train_curve": {s: vars(b) for s, b in curve_over_seeds(train_curves).items()},
+            "pooled_per_task": pooled,
+        }
+    comparisons = {}
+    if "scalinginter" in arms_out:
+        si = arms_out["scalinginter"]["pooled_per_task"]
+        for arm in arms:
+            if arm != "scalinginter":
+                c = paired_bootstrap(si, arms_out[arm]["pooled_per_task"], seed=0)
+                comparisons[f"scalinginter - {arm}"] = {"diff": c.diff, "ci95": list(c.ci), "p_value": c.p_value}
+    return {"env": a.env, "preset": a.preset, "overrides": a.set, "seeds": a.seeds, "eval_n": a.eval_n,
+            "budgets": budgets, "experiment": a.experiment, "machine": _machine(),
+            "base": {"heldout_success": sum(base_s) / len(base_s), "ci95": list(wilson_interval(int(sum(base_s)), len(base_s))),
+                     "sweep": {b: sum(per_task_success(base, b)) / len(base_s) for b in budgets}},
+            "arms": arms_out, "comparisons": comparisons, "wall_time_s": wall,
+            "runs": [{k: v for k, v in r.items() if k != "final_eval"} for r in runs]}
+
+
+def _machine() -> str:
+    try:
+        flags = set(open("/proc/cpuinfo").read().split())
+    except OSError:
+        flags = set()
+    kind = [f for f in ("amx_bf16", "avx512_bf16") if f in flags] or ["avx2-only (fp32)"]
+    return f"{os.cpu_count()} cores, {', '.join(kind)}"
+
+
+def table(report: dict[str, Any]) -> str:
+    big = max(report["budgets"])
+    lines = [f"learning study: {report['env']}, preset {report['preset']}, {report['seeds']} seed(s), "
+             f"held-out n={report['eval_n']} at {big} turns (greedy); {report['machine']}",
+             f"{'arm':<14}{'limits':<12}{'held-out':>10}{'95% CI':>16}{'vs base p':>12}{'steps':>7}"
+             f"{'tokens':>10}{'wall s':>9}",
+             f"{'base model':<14}{'-':<12}{report['base']['heldout_success']:>10.3f}"
+             f"{'[%.3f, %.3f]' % tuple(report['base']['ci95']):>16}{'':>12}{0:>7}{'-':>10}{'-':>9}"]
+    for arm, r in report["arms"].items():
+        ps = ",".join(f"{p:.2g}" for p in r["vs_base_mcnemar_p"])
+        lines.append(f"{arm:<14}{'>'.join(map(str, r['turn_limits'])):<12}{r['heldout_success']:>10.3f}"
+                     f"{'[%.3f, %.3f]' % tuple(r['ci95']):>16}{ps:>12}{r['steps']:>7}"
+                     f"{r['generated_tokens']:>10.0f}{r['wall_time_s']:>9.0f}")
+    for name, c in report["comparisons"].items():
+        lines.append(f"{name}: {c['diff']:+.3f} [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}], "
+                     f"paired bootstrap p = {c['p_value']:.3g}")
+    lines.append("sweep (held-out success by turn budget): " + "; ".join(
+        f"{arm} " + ", ".join(f"{b}:{v:.2f}" for b, v in r["sweep"].items()) for arm, r in report["arms"].items()))
+    return "\n".join(lines)
+
+
+def write_outputs(a: argparse.Namespace, report: dict[str, Any]) -> None:
+    out = Path(a.results)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"learning-study-{a.env}-{time.strftime('%Y%m%d-%H%M%S')}"
+    text = table(report)
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    stem.with_suffix(".md").write_text("```\n" + text + "\n```\n")
+    plot(report, stem.with_suffix(".png"))
+    print("\n" + text)
+    print(f"\nwrote {stem}.json, .md, .png")
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Held-out success vs training step (left) and train success per step (right), per arm: mean over seeds
+    and the min-max band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), constrained_layout=True)
+    panels = [("curve", f"held-out success (n={report['eval_n']}, {max(report['budgets'])} turns, greedy)"),
+              ("train_curve", "train success (sampled episodes of the step)")]
+    for ax, (key, label) in zip(axes, panels):
+        for arm, r in report["arms"].items():
+            pts = sorted((int(s), b) for s, b in r[key].items())
+            xs = [s for s, _ in pts]
+            ax.plot(xs, [b["mean"] for _, b in pts], marker="o", markersize=3,
+                    label=f"{arm} ({'>'.join(map(str, r['turn_limits']))})")
+            ax.fill_between(xs, [b["lo"] for _, b in pts], [b["hi"] for _, b in pts], alpha=0.15)
+        ax.set_xlabel("training step")
+        ax.set_ylabel(label)
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{report['env']}: ScalingInter vs fixed horizons ({report['seeds']} seed(s); band = min-max "
+                 f"over seeds); {report['machine']}")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
