@@ -255,3 +255,32 @@ def build_document(meta: dict[str, Any], models: dict[str, tuple[str, dict[str, 
         doc["comparison"] = {"a": a, "b": b, "budgets": compare_models(models[a][1], models[b][1], samples,
                                                                         confidence, seed)}
     return doc
+
+
+def paired_regression(current: list[int | None], previous: list[int | None], alpha: float = 0.05,
+                      tolerance: float = 0.0, against: str = "the previous night", metric: str = "success_rate"):
+    """Nightly verdict from per-task greedy outcomes of tonight and the reference, task by task (None = masked,
+    left out): a regression when tonight solves significantly fewer of the same tasks — one-sided exact McNemar
+    p < ``alpha`` — and the rate fell by more than ``tolerance``. Returns ``core.compare.Verdict``."""
+    from core.compare import Verdict
+
+    if len(current) != len(previous):
+        raise ValueError(f"paired outcomes need the same tasks: {len(current)} vs {len(previous)}")
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+    if tolerance < 0:
+        raise ValueError(f"tolerance must be >= 0, got {tolerance}")
+    pairs = [(c, p) for c, p in zip(current, previous) if c is not None and p is not None]
+    if not pairs:
+        return Verdict(False, f"{metric}: no task scored both tonight and by {against}; no verdict", None)
+    cur = sum(c for c, _ in pairs) / len(pairs)
+    prev = sum(p for _, p in pairs) / len(pairs)
+    lost = sum(1 for c, p in pairs if p and not c)
+    gained = sum(1 for c, p in pairs if c and not p)
+    pval = mcnemar_exact(gained, lost, alternative="less")  # small when tonight gained few of the discordant tasks
+    delta = cur - prev
+    detail = (f"({delta:+.3f}; paired on {len(pairs)} tasks: {lost} lost, {gained} gained, one-sided McNemar "
+              f"p = {format_p(pval)}, alpha {alpha:g}, tolerance {tolerance:.3f})")
+    if pval < alpha and -delta > tolerance:
+        return Verdict(True, f"REGRESSION: {metric} {cur:.3f} vs {prev:.3f} {against} {detail}", delta)
+    return Verdict(False, f"OK: {metric} {cur:.3f} vs {prev:.3f} {against} {detail}", delta)

@@ -54,6 +54,22 @@ def test_latest_version_and_previous_night(tmp_path):
     assert previous_night(nt.client, nt.experiment_id, "babyai") == {"success_rate": 0.5}
 
 
+def test_previous_version_and_per_task_tags(tmp_path):
+    from flows.nightly import decode_successes, encode_successes, eval_key, previous_version
+    from tasks.tracking import Tracker
+
+    tr = Tracker(f"sqlite:///{tmp_path / 'm.db'}", "scalinginter", artifact_root=tmp_path / "art")
+    rid = tr.start_run("r/phase-1")
+    for k in (1, 2, 3):
+        tr.register_checkpoint("babyai", str(tmp_path / f"ck{k}"), rid, {"phase": str(k)})
+    assert int(previous_version(tr.client, "babyai", 3).version) == 2
+    assert previous_version(tr.client, "babyai", 1) is None
+    assert previous_version(tr.client, "toy", 1) is None
+    assert encode_successes([1, 0, None, 1]) == "10x1" and decode_successes("10x1") == [1, 0, None, 1]
+    assert eval_key(6, 2, 24, 0, {"levels": "A"}) != eval_key(6, 2, 24, 0, {"levels": "B"})
+    assert eval_key(6, 2, 24, 0, {}) != eval_key(7, 2, 24, 0, {})
+
+
 def test_no_registered_checkpoint_completes_with_a_message(tmp_path):
     from flows.nightly import NightlySettings, nightly_eval
 
@@ -113,7 +129,8 @@ def test_nightly_deployment_schedule_and_runs(stack, tmp_path):
     rid = tr.start_run("nightly-test/phase-1")
     tr.end_run(rid)
     version = tr.register_checkpoint("babyai", "smollm2-135m", rid, {"phase": "1", "turn_limit": "1"})
-    settings = {"n": 2, "turn_limit": 1, "max_new_tokens": 1, "output_dir": str(tmp_path)}  # 1 token: never succeeds
+    # 1 token: never succeeds; 6 tasks: losing all six is significant (one-sided McNemar p = 1/64)
+    settings = {"n": 6, "turn_limit": 1, "max_new_tokens": 1, "output_dir": str(tmp_path)}
 
     with prefect_client(stack) as client:
         dep = client.read_deployment_by_name("nightly-eval/babyai")
@@ -138,15 +155,20 @@ def test_nightly_deployment_schedule_and_runs(stack, tmp_path):
         assert fr.state.is_completed(), fr.state
         assert "no previous night" in (fr.state.message or "")
 
-        # a better "previous night" is on record -> tonight is a regression: Failed, flagged in the artifact
+        # a better "previous night" on the same tasks and settings is on record (it solved all six) -> tonight is a
+        # paired regression: Failed, flagged in the artifact
+        from flows.nightly import eval_key
+
         nt = Tracker(mlflow_uri, "nightly-eval")
-        prev = nt.start_run("nightly-babyai-previous", resume=False, tags={"env": "babyai"})
+        prev = nt.start_run("nightly-babyai-previous", resume=False, tags={
+            "env": "babyai", "eval.key": eval_key(6, 1, 1, 0, {}), "eval.successes": "111111"})
         nt.log_metrics(prev, {"success_rate": 1.0, "mean_reward": 1.0, "mean_turns": 1.0}, step=0)
         nt.end_run(prev)
         fr2 = client.create_flow_run_from_deployment(dep.id, parameters={"settings": settings})
         fr2 = _wait_final(client, fr2.id)
         assert fr2.state.is_failed(), fr2.state
         assert (fr2.state.message or "").startswith("REGRESSION: success_rate 0.000 vs 1.000")
+        assert "6 lost, 0 gained" in fr2.state.message and "p = 0.0156" in fr2.state.message
         arts = [a for a in client.read_artifacts() if a.key == "nightly-babyai" and a.flow_run_id == fr2.id]
         assert arts and "REGRESSION" in arts[0].data and f"v{version}" in arts[0].data
 
@@ -154,4 +176,5 @@ def test_nightly_deployment_schedule_and_runs(stack, tmp_path):
     tonight = [r for r in runs if r.info.run_id != prev]
     assert len(tonight) == 2 and all(r.data.params["model_version"] == version for r in tonight)
     assert {r.data.tags["regression"] for r in tonight} == {"false", "true"}
-    assert all(r.data.metrics["episodes"] == 2 for r in tonight)
+    assert all(r.data.metrics["episodes"] == 6 for r in tonight)
+    assert all(r.data.tags["eval.successes"] == "000000" for r in tonight)

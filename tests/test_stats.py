@@ -148,3 +148,24 @@ def test_sampled_comparison_is_a_paired_bootstrap():
     r = paired_test(ra["budgets"]["2"]["per_task"], rb["budgets"]["2"]["per_task"], greedy=False)
     assert r["test"] == "paired_bootstrap" and r["diff"] == pytest.approx(0.5) and r["ci"] == [0.5, 0.5]
     assert r["p_value"] == pytest.approx(2 / 2001)
+
+
+def test_paired_regression_verdict():
+    from core.evalreport import paired_regression
+
+    # 6 tasks solved last night, none tonight: P(X <= 0 | 6, 1/2) = 1/64 < 0.05 and the drop 1.0 > 0.05
+    v = paired_regression([0] * 6, [1] * 6, alpha=0.05, tolerance=0.05)
+    assert v.regressed and v.message.startswith("REGRESSION: success_rate 0.000 vs 1.000 the previous night")
+    assert "p = 0.0156" in v.message and v.delta == -1.0
+    # the same drop on 2 tasks cannot be told from chance: p = 1/4
+    v = paired_regression([0, 0], [1, 1], alpha=0.05)
+    assert not v.regressed and v.message.startswith("OK:") and "p = 0.25" in v.message
+    # significant but smaller than the tolerance: 7 lost, 1 gained of 100 tasks (p = 9/256), drop 0.06 <= 0.1
+    prev = [1] * 7 + [0] + [1] * 50 + [0] * 42
+    cur = [0] * 7 + [1] + [1] * 50 + [0] * 42
+    v = paired_regression(cur, prev, alpha=0.05, tolerance=0.1)
+    assert not v.regressed and "7 lost, 1 gained" in v.message and "p = 0.0352" in v.message
+    assert paired_regression(cur, prev, alpha=0.05, tolerance=0.05).regressed
+    # masked tasks are left out of the pairing
+    v = paired_regression([None, 1], [1, 1])
+    assert not v.regressed and "paired on 1 tasks" in v.message
