@@ -52,7 +52,7 @@ def test_eval_samples_budgets_compare(tmp_path):
     out = tmp_path / "out"
     p = cli("eval", str(ck), "babyai", "--n", "3", "--samples", "4", "--turn-limits", "2,4", "--compare",
             "smollm2-135m", "--max-new-tokens", "8", "--json", str(out / "eval.json"), "--png", str(out / "eval.png"),
-            "--set", "rollout.backend=transformers", "--set", f"output_dir={out}", cwd=tmp_path)
+            "--set", "rollout.backend=transformers", "--set", f"output_dir={out}", cwd=tmp_path, timeout=1800)
     log = p.stdout + p.stderr
     assert p.returncode == 0, log[-4000:]
     doc = json.loads((out / "eval.json").read_text())
