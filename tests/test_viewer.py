@@ -102,6 +102,13 @@ def test_phase_ranges_and_chart():
     assert V.viewer_url("my run/1") == "http://127.0.0.1:8765/runs/my%20run%2F1"
 
 
+def test_phase_artifact_links_the_viewer():
+    from tasks.artifacts import phase_markdown
+
+    md = phase_markdown("run-a", 1, 2, 4, 3, 3, 3, {"success_rate": 0.5}, "/ckpt", "abc")
+    assert "http://127.0.0.1:8765/runs/run-a" in md
+
+
 # --- pages over written files ---------------------------------------------------------------------------------
 def _traj(task: int, k: int, turns: int, success: bool, category: str | None = "GoToObj") -> Trajectory:
     t = Trajectory(task_id=task, group_id=task)
@@ -266,7 +273,8 @@ def _free_port() -> int:
 def _cli(*args: str, cwd: Path, timeout: int = 900, popen: bool = False):
     exe = Path(sys.executable).with_name("scalinginter")
     cmd = ([str(exe)] if exe.exists() else [sys.executable, "-m", "flows.cli"]) + list(args)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # the ephemeral Prefect API's 20 s start is too short on a busy 2-core machine
+    env = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180", **os.environ, "PYTHONPATH": str(ROOT)}
     if popen:
         return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
