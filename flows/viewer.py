@@ -958,6 +958,8 @@ def serve(runs_dir: str | Path = "runs", tracking_uri: str | None = None, host: 
     import uvicorn
 
     app = create_app(runs_dir, tracking_uri, mlflow_ui)
+    # the first token view needs transformers (seconds to import): import it now, off the request path
+    threading.Thread(target=lambda: __import__("transformers.models.auto.tokenization_auto"), daemon=True).start()
     print(f"trajectory viewer: http://{host}:{port}/  (runs from {Path(runs_dir).resolve()}"
           + (f", MLflow {app.state.store.tracking_uri}" if app.state.store.tracking_uri else "") + ")", flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")
