@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def cli(*args, cwd, timeout=600):
     exe = Path(sys.executable).with_name("scalinginter")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "flows.cli"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # a loaded shared machine can take longer than Prefect's 20 s to start its ephemeral API server
+    env = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300", **os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(cmd + list(args), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
