@@ -9,6 +9,9 @@ tokens and env tokens) and returns per-token advantages that are 0 everywhere bu
 - ``groups``: samples of the same task in the same step share a group id;
 - ``live``: False for masked samples (infrastructure failures), which get 0 and never enter statistics;
 - ``values``: the critic's value of the state before each token (PPO only);
+- ``bootstrap``: per sequence, the value of the state after its last action (PPO only): 0 when the episode
+  terminated (success, failure: nothing follows), the critic's value of the truncated state when a turn limit
+  or token budget cut it short (``bootstrap_values``) — truncation is not termination;
 - ``kl``: per-token KL estimate log pi_old - log pi_ref (REINFORCE++ puts ``-kl_coef * kl`` in the reward).
 
 Token-level recursions (GAE, discounted returns) run over *policy tokens only*: the successor of a turn's
@@ -38,6 +41,7 @@ class AdvantageBatch:
     live: torch.Tensor  # [B] bool
     values: torch.Tensor | None = None  # [B, T] (PPO)
     kl: torch.Tensor | None = None  # [B, T] log pi_old - log pi_ref (REINFORCE++)
+    bootstrap: torch.Tensor | None = None  # [B] V(s_T) after the last action; None = 0 for all (PPO)
 
 
 @dataclass
@@ -150,11 +154,13 @@ def broadcast_reference(scores: Sequence[float], masks: Sequence[Sequence[int]])
 
 def gae_reference(rewards: Sequence[Sequence[float]], masks: Sequence[Sequence[int]],
                   values: Sequence[Sequence[float]], gamma: float, lam: float,
-                  live: Sequence[bool] | None = None) -> tuple[list[list[float]], list[list[float]]]:
+                  live: Sequence[bool] | None = None,
+                  bootstrap: Sequence[float] | None = None) -> tuple[list[list[float]], list[list[float]]]:
     """GAE over policy tokens only. Returns (advantages, returns), both 0 off policy tokens.
 
     For the policy positions p_0 < ... < p_{n-1} of a sequence: delta_k = r(p_k) + gamma * V(p_{k+1}) - V(p_k)
-    with V(p_n) = 0 (the episode ends after the last action), A_k = delta_k + gamma * lam * A_{k+1}.
+    with V(p_n) = ``bootstrap[b]`` (0 when the episode terminated after the last action, the critic's value of
+    the truncated state otherwise; all 0 when ``bootstrap`` is None), A_k = delta_k + gamma * lam * A_{k+1}.
     Rewards on non-policy tokens are an error (they would be silently lost).
     """
     advs, rets = [], []
@@ -165,7 +171,7 @@ def gae_reference(rewards: Sequence[Sequence[float]], masks: Sequence[Sequence[i
                 if x and not m[t]:
                     raise ValueError(f"sequence {b}: reward {x} on non-policy token {t} would be lost")
             pos = _policy_positions(m)
-            next_v, next_a = 0.0, 0.0
+            next_v, next_a = (float(bootstrap[b]) if bootstrap is not None else 0.0), 0.0
             for t in reversed(pos):
                 delta = r[t] + gamma * next_v - v[t]
                 a = delta + gamma * lam * next_a
@@ -300,7 +306,8 @@ def ppo(batch: AdvantageBatch, p: EstimatorParams) -> AdvantageResult:
     mask = batch.mask * batch.live[:, None].to(batch.mask.dtype)
     r, v = batch.rewards.double(), batch.values.double()
     adv = torch.zeros_like(r)
-    next_v = torch.zeros(r.shape[0], dtype=r.dtype)
+    next_v = (batch.bootstrap.double().clone() if batch.bootstrap is not None
+              else torch.zeros(r.shape[0], dtype=r.dtype))
     next_a = torch.zeros_like(next_v)
 
     def step(t, on):
@@ -330,23 +337,40 @@ def pad_rows(rows: Sequence[Sequence[float]], width: int | None = None, dtype=to
 def make_batch(token_rewards: Sequence[Sequence[float]], loss_masks: Sequence[Sequence[int]],
                groups: Sequence[int], masked: Sequence[bool] | None = None,
                values: Sequence[Sequence[float]] | None = None,
-               kl: Sequence[Sequence[float]] | None = None) -> AdvantageBatch:
+               kl: Sequence[Sequence[float]] | None = None,
+               bootstrap: Sequence[float] | None = None) -> AdvantageBatch:
     masked = list(masked) if masked is not None else [False] * len(loss_masks)
     width = max((len(m) for m in loss_masks), default=0)
     return AdvantageBatch(
         rewards=pad_rows(token_rewards, width), mask=pad_rows(loss_masks, width),
         groups=torch.tensor(list(groups), dtype=torch.long), live=~torch.tensor(masked, dtype=torch.bool),
         values=pad_rows(values, width) if values is not None else None,
-        kl=pad_rows(kl, width) if kl is not None else None)
+        kl=pad_rows(kl, width) if kl is not None else None,
+        bootstrap=torch.tensor([float(x) for x in bootstrap], dtype=torch.float32) if bootstrap is not None else None)
 
 
 def unpad(x: torch.Tensor, lengths: Sequence[int]) -> list[list[float]]:
     return [x[i, :n].tolist() for i, n in enumerate(lengths)]
 
 
-def trajectory_advantages(name: str, params: EstimatorParams, trajs, values=None, kl=None):
+def bootstrap_values(trajs, final_values: Sequence[float] | None) -> list[float]:
+    """V(s_T) after each trajectory's last action, for GAE: 0 for an episode that terminated (or was masked),
+    ``final_values[i]`` (the critic's value of the state after trajectory i's last token) for one a turn limit
+    or token budget truncated. ``final_values`` None: 0 for all (no critic value of the final state given)."""
+    from core.trajectory import is_truncated
+
+    if final_values is None:
+        return [0.0] * len(trajs)
+    if len(final_values) != len(trajs):
+        raise ValueError(f"{len(final_values)} final values for {len(trajs)} trajectories: pass one per trajectory")
+    return [float(v) if is_truncated(t) and not t.masked else 0.0 for t, v in zip(trajs, final_values)]
+
+
+def trajectory_advantages(name: str, params: EstimatorParams, trajs, values=None, kl=None, final_values=None):
     """Run estimator ``name`` over ``core.trajectory.Trajectory`` objects. ``values`` / ``kl`` are per-token
-    lists aligned with ``trajs`` (the learner's ``per_token``). Returns (advantages, returns or None, stats)."""
+    lists aligned with ``trajs`` (the learner's ``per_token``); ``final_values`` (PPO) the critic's value of the
+    state after each trajectory's last token (the learner's ``final_values``), bootstrapped from where a turn
+    limit or token budget truncated the episode. Returns (advantages, returns or None, stats)."""
     from core.trajectory import token_rewards
 
     spec = get_estimator(name)
@@ -354,7 +378,8 @@ def trajectory_advantages(name: str, params: EstimatorParams, trajs, values=None
         raise ValueError(f"estimator {name!r} needs critic values")
     batch = make_batch([token_rewards(t) for t in trajs], [t.loss_mask for t in trajs], [t.group_id for t in trajs],
                        [t.masked for t in trajs], values if spec.needs_critic else None,
-                       kl if spec.kl_in_reward else None)
+                       kl if spec.kl_in_reward else None,
+                       bootstrap_values(trajs, final_values) if spec.needs_critic else None)
     res = spec.fn(batch, params)
     lengths = [len(t.token_ids) for t in trajs]
     adv = unpad(res.advantages, lengths)

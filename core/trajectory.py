@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 FINISH_REASONS = ("success", "failure", "turn_limit", "token_budget", "env_error")
+# endings that cut an episode short rather than end it: the state after the last action still has a value
+TRUNCATION_REASONS = ("turn_limit", "token_budget")
 
 
 @dataclass
@@ -87,6 +89,11 @@ class Trajectory:
         d["turns"] = self.turns
         d["reward"] = self.reward
         return d
+
+
+def is_truncated(traj: Trajectory) -> bool:
+    """True when a turn limit or the token budget cut the episode short (PPO bootstraps from V(s_T) there)."""
+    return traj.finish_reason in TRUNCATION_REASONS
 
 
 def token_rewards(traj: Trajectory) -> list[float]:

@@ -25,9 +25,12 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
 
-    def forward(self, ids: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+    def after(self, ids: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
         h = self.backbone(input_ids=ids, attention_mask=att).last_hidden_state
-        v = self.head(h.float()).squeeze(-1)  # value of the state after token t
+        return self.head(h.float()).squeeze(-1)  # value of the state after token t
+
+    def forward(self, ids: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        v = self.after(ids, att)
         return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)  # shift: state before token t
 
 
@@ -63,15 +66,24 @@ class Critic:
         return ids, att
 
     @torch.no_grad()
-    def values(self, seqs: Sequence[Sequence[int]]) -> list[list[float]]:
+    def values_and_final(self, seqs: Sequence[Sequence[int]]) -> tuple[list[list[float]], list[float]]:
+        """Per-token values (state before each token) and, per sequence, the value of the state after its last
+        token: V(s_T) of an episode a turn limit or token budget truncated (GAE bootstraps from it)."""
         out: list[list[float]] = []
+        final: list[float] = []
         for s in range(0, len(seqs), self.mb):
             chunk = seqs[s:s + self.mb]
             ids, att = self._pad(chunk)
             with self._autocast():
-                v = self.net(ids, att).float()
-            out += [v[r, : len(c)].tolist() for r, c in enumerate(chunk)]
-        return out
+                after = self.net.after(ids, att).float()
+            for r, c in enumerate(chunk):
+                n = len(c)
+                out.append([0.0] + after[r, : n - 1].tolist() if n else [])
+                final.append(float(after[r, n - 1]) if n else 0.0)
+        return out, final
+
+    def values(self, seqs: Sequence[Sequence[int]]) -> list[list[float]]:
+        return self.values_and_final(seqs)[0]
 
     def zero_grad(self) -> None:
         self.opt.zero_grad(set_to_none=True)

@@ -53,6 +53,7 @@ class Prepared:
     old: list[list[float]] | None = None
     ref: list[list[float]] | None = None
     values: list[list[float]] | None = None
+    final_values: list[float] | None = None  # critic's value of the state after each sequence's last token
     stats: dict[str, float] = field(default_factory=dict)
 
 
@@ -233,8 +234,19 @@ class TorchLearner:
             p.stats["logprob_mismatch"] = total / max(1, n)
         p.ref = (self.sequence_logprobs(seqs, reference=True, masks=masks, groups=groups)
                  if self.ref is not None else None)
-        p.values = self.critic.values(seqs) if self.critic is not None else None
+        if self.critic is not None:
+            p.values, p.final_values = self.critic.values_and_final(seqs)
         return p
+
+    def final_values(self, trajs: list[Trajectory], p: Prepared) -> list[float] | None:
+        """The critic's value of the state after each trajectory's last token (0 for masked ones), aligned with
+        ``trajs``; None without a critic. ``core.advantages.bootstrap_values`` keeps it for truncated episodes."""
+        if p.final_values is None:
+            return None
+        out = [0.0] * len(trajs)
+        for k, i in enumerate(p.live):
+            out[i] = float(p.final_values[k])
+        return out
 
     def per_token(self, trajs: list[Trajectory], p: Prepared, which: str) -> list[list[float]]:
         """A prepared per-token quantity (``old``, ``ref``, ``values``, ``kl``) for every trajectory (0 for
