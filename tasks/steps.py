@@ -310,7 +310,8 @@ def compute_advantages(key: str, batch: Batch) -> Advantages:
     advantages, returns, stats = trajectory_advantages(
         a.estimator, params, trajs,
         values=s.learner.per_token(trajs, prepared, "values") if spec.needs_critic else None,
-        kl=s.learner.per_token(trajs, prepared, "kl") if spec.kl_in_reward else None)
+        kl=s.learner.per_token(trajs, prepared, "kl") if spec.kl_in_reward else None,
+        final_values=s.learner.final_values(trajs, prepared) if spec.needs_critic else None)
     for t, adv in zip(trajs, advantages):  # kept with the episode: the rollout Parquet stores what was trained on
         t.info["advantages"] = adv
     return Advantages(advantages, returns, prepared, stats)
