@@ -250,18 +250,8 @@ async def _rollout_pass(req: RolloutRequest, rt: RolloutRuntime,
             await admit()
             continue
         rnd += 1
-        room = {i: token_budget - len(trajs[i].token_ids) for i in live}
-        # one generate call per distinct max_new_tokens (all equal unless the budget binds)
-        by_cap: dict[int, list[int]] = {}
-        for i in live:
-            by_cap.setdefault(min(params.max_new_tokens, room[i]), []).append(i)
-        gens = {}
         t0 = time.time()
-        for n_new, idx in by_cap.items():
-            seeds = None if seed is None else tuple(episode_seed(seed, ids[i], trajs[i].turns) for i in idx)
-            p = SamplingParams(n_new, params.temperature, params.top_p, seeds)
-            for i, g in zip(idx, backend.generate([trajs[i].token_ids for i in idx], p)):
-                gens[i] = g
+        gens = _generate_round(backend, trajs, live, params, token_budget, seed, ids)
         stats.gen_time_s += time.time() - t0
         for i in live:
             g = gens[i]
@@ -273,37 +263,8 @@ async def _rollout_pass(req: RolloutRequest, rt: RolloutRuntime,
         replies = await asyncio.gather(*[_safe(envs[i].step(texts[i][-1])) for i in live])
         stats.env_time_s += time.time() - t0
         stats.env_steps += len(live)
-        still: list[int] = []
-        for i, r in zip(live, replies):
-            tr = trajs[i]
-            if isinstance(r, Exception):
-                tr.error = f"step {tr.turns}: {type(r).__name__}: {r}"
-                tr.finish("env_error")
-                continue
-            tr.set_turn_reward(r.reward)
-            tr.info.setdefault("observations", []).append(r.observation)
-            act = r.info.get("action")  # the env's parsed action, per turn (the trajectory viewer highlights it)
-            tr.info.setdefault("actions", []).append(act if isinstance(act, str) else None)
-            tr.info.setdefault("invalid_actions", []).append(bool(r.info.get("invalid_action", False)))
-            if isinstance(r.info.get("episode_metrics"), dict):  # e.g. SciWorld's score, deep search's F1
-                tr.info["episode_metrics"] = {k: float(v) for k, v in r.info["episode_metrics"].items()}
-            success = bool(r.info.get("success", False))
-            if r.terminated:
-                tr.finish("success" if success else "failure", success)
-                continue
-            if tr.turns >= limits[i]:
-                tr.finish("turn_limit")
-                continue
-            if r.truncated:  # the env's own step budget ran out
-                tr.finish("failure")
-                tr.info["env_truncated"] = True
-                continue
-            env_ids = chat.env_turn_ids(r.observation, gens[i].finish == "stop")
-            if len(tr.token_ids) + len(env_ids) + 1 > token_budget:
-                tr.finish("token_budget")
-                continue
-            tr.add_env(env_ids)
-            still.append(i)
+        still = [i for i, r in zip(live, replies)
+                 if _apply_reply(trajs[i], r, limits[i], token_budget, chat, gens[i].finish == "stop")]
         await close(sorted(set(live) - set(still)))
         live[:] = still
         if on_round is not None:
@@ -314,6 +275,57 @@ async def _rollout_pass(req: RolloutRequest, rt: RolloutRuntime,
         t.info["replies"] = texts[i]
     stats.wall_time_s = time.time() - t_start
     return trajs, stats
+
+
+def _generate_round(backend: GenerationBackend, trajs: list[Trajectory], live: list[int], params: SamplingParams,
+                    token_budget: int, seed: int | None, ids: list[int]) -> dict[int, Any]:
+    """One turn's generation for every live episode: one generate call per distinct max_new_tokens (all equal
+    unless an episode's token budget binds), each episode-turn with its own seed when ``seed`` is set."""
+    by_cap: dict[int, list[int]] = {}
+    for i in live:
+        by_cap.setdefault(min(params.max_new_tokens, token_budget - len(trajs[i].token_ids)), []).append(i)
+    gens = {}
+    for n_new, idx in by_cap.items():
+        seeds = None if seed is None else tuple(episode_seed(seed, ids[i], trajs[i].turns) for i in idx)
+        p = SamplingParams(n_new, params.temperature, params.top_p, seeds)
+        for i, g in zip(idx, backend.generate([trajs[i].token_ids for i in idx], p)):
+            gens[i] = g
+    return gens
+
+
+def _apply_reply(tr: Trajectory, r: EnvReply | Exception, limit: int, token_budget: int, chat: ChatFormat,
+                 stopped: bool) -> bool:
+    """Record the env's reply to the episode's last action; True if the episode goes on to another turn (its
+    observation appended as env tokens), False once it ended (env error, terminated, turn limit, the env's own
+    step budget, or no room left in the token budget)."""
+    if isinstance(r, Exception):
+        tr.error = f"step {tr.turns}: {type(r).__name__}: {r}"
+        tr.finish("env_error")
+        return False
+    tr.set_turn_reward(r.reward)
+    tr.info.setdefault("observations", []).append(r.observation)
+    act = r.info.get("action")  # the env's parsed action, per turn (the trajectory viewer highlights it)
+    tr.info.setdefault("actions", []).append(act if isinstance(act, str) else None)
+    tr.info.setdefault("invalid_actions", []).append(bool(r.info.get("invalid_action", False)))
+    if isinstance(r.info.get("episode_metrics"), dict):  # e.g. SciWorld's score, deep search's F1
+        tr.info["episode_metrics"] = {k: float(v) for k, v in r.info["episode_metrics"].items()}
+    success = bool(r.info.get("success", False))
+    if r.terminated:
+        tr.finish("success" if success else "failure", success)
+        return False
+    if tr.turns >= limit:
+        tr.finish("turn_limit")
+        return False
+    if r.truncated:  # the env's own step budget ran out
+        tr.finish("failure")
+        tr.info["env_truncated"] = True
+        return False
+    env_ids = chat.env_turn_ids(r.observation, stopped)
+    if len(tr.token_ids) + len(env_ids) + 1 > token_budget:
+        tr.finish("token_budget")
+        return False
+    tr.add_env(env_ids)
+    return True
 
 
 async def run_rollout_retrying(
