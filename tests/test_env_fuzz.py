@@ -269,7 +269,8 @@ def test_rss_stays_flat_over_2000_episodes(server):
         for i in range(RSS_CYCLES):
             env_id = c.post(server.url + "/create", json={}).json()["id"]
             assert c.post(server.url + "/reset", json={"id": env_id, "data_idx": rng.randrange(50)}).status_code == 200
-            assert c.post(server.url + "/step", json={"id": env_id, "action": rng.choice(replies)}).status_code == 200
+            step = json.dumps({"id": env_id, "action": rng.choice(replies)})  # ASCII JSON: \ud800 stays escaped
+            assert c.post(server.url + "/step", content=step).status_code == 200
             assert c.post(server.url + "/close", json={"id": env_id}).json()["closed"]
             if i + 1 == RSS_WARMUP or (i + 1) % 500 == 0:
                 samples.append((i + 1, _tree_rss_mb(server.pid)))
