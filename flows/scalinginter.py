@@ -23,6 +23,7 @@ from typing import Any
 from prefect import flow
 
 from core.config import RunConfig
+from core.redact import redact, redact_uri
 from core.curriculum import Gate, GateState, Phase, gate_update, phase_start, total_steps, turn_limit_at
 from flows.config import build_config
 from core.walltime import format_breakdown
@@ -226,7 +227,8 @@ class PhaseProgress:
 
     def trainer_state(self, i: int, limit: int) -> dict[str, Any]:
         state = {"global_step": self.start + i + 1, "phase": self.plan.phase, "phase_step": i + 1,
-                 "turn_limit": limit, "run_name": self.cfg.run_name, "config": self.cfg.model_dump(mode="json")}
+                 "turn_limit": limit, "run_name": self.cfg.run_name,
+                 "config": redact(self.cfg.model_dump(mode="json"))}  # no URI credentials in checkpoints
         if self.gate is not None:
             state["gate"] = self.gstate.to_dict()
             if self.reason is not None:
@@ -462,12 +464,12 @@ def scalinginter(config: RunConfig | None = None, env: str = "babyai", preset: s
     t_run = time.time()
     ledger = timing.reset()
     log_path = quiet_console(rd)  # engine / library chatter -> the run's engine.log
-    (rd / "config.json").write_text(cfg.model_dump_json(indent=2))
+    (rd / "config.json").write_text(json.dumps(redact(cfg.model_dump(mode="json")), indent=2))  # no URI secrets
     tracker = make_tracker(cfg)
-    parent = tracker.start_run(cfg.run_name, params=cfg.model_dump(mode="json"), tags={"scalinginter.env": cfg.env.name})
+    parent = tracker.start_run(cfg.run_name, params=redact(cfg.model_dump(mode="json")), tags={"scalinginter.env": cfg.env.name})
     print(f"ScalingInter run {cfg.run_name}: env {cfg.env.name}, model {cfg.model.path}, "
           f"turn limits {' -> '.join(str(p.turn_limit) for p in phases)}, {total_steps(phases)} steps; "
-          f"MLflow run {parent} ({tracker.uri})")
+          f"MLflow run {parent} ({redact_uri(tracker.uri)})")
     if log_path is not None:
         print(f"engine, transformers, DeepSpeed, MLflow and Prefect logs: {log_path} (SCALINGINTER_VERBOSE=1 shows "
               "them here)")
@@ -502,7 +504,7 @@ def scalinginter(config: RunConfig | None = None, env: str = "babyai", preset: s
             tracker.log_metrics(parent, {"eval_after/diff_vs_before": paired["diff"],
                                          "eval_after/p_value_vs_before": paired["p_value"]}, step=total_steps(phases))
         tracker.set_tag(parent, "scalinginter.final_checkpoint", ref)
-        summary = {"run_name": cfg.run_name, "mlflow_run_id": parent, "mlflow_uri": tracker.uri,
+        summary = {"run_name": cfg.run_name, "mlflow_run_id": parent, "mlflow_uri": redact_uri(tracker.uri),
                    "final_checkpoint": ref, "eval_before": before, "eval_after": after, "eval_paired": paired}
         wall = time.time() - t_run
         summary["wall_time_s"] = round(wall, 1)

@@ -25,6 +25,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from core.advantages import EstimatorParams, get_estimator, trajectory_advantages
+from core.redact import redact_uri
 from core.chat import ChatFormat
 from core.config import RunConfig
 from core.metrics import episode_metrics
@@ -212,7 +213,8 @@ async def live_cap(clients: list[Any], configured: int | None) -> tuple[list[int
         try:
             return await c.capacity()
         except Exception as e:  # noqa: BLE001 - an unreachable server masks its episodes anyway
-            print(f"env server {c.base_url}: capacity unknown ({type(e).__name__}: {e}); treating it as unbounded")
+            print(redact_uri(f"env server {c.base_url}: capacity unknown ({type(e).__name__}: {e}); treating it as "
+                             "unbounded"))
             return None
 
     caps = list(await asyncio.gather(*(one(c) for c in clients)))
