@@ -45,3 +45,26 @@ def redact(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(redact(v) for v in obj)
     return obj
+
+
+# --- environments of child processes ----------------------------------------------------------------------
+# variables a spawned env server never needs: cloud / tracking / orchestration credentials (S3 block secrets are
+# exported to this process's environment) and anything named like a secret
+_DROP_PREFIXES = ("AWS_", "MLFLOW_TRACKING_", "PREFECT_API_", "GOOGLE_APPLICATION_CREDENTIALS", "AZURE_")
+_DROP_MARKERS = ("SECRET", "PASSWORD", "PASSWD", "TOKEN", "API_KEY", "APIKEY", "ACCESS_KEY", "CREDENTIAL",
+                 "PRIVATE_KEY", "SESSION_KEY")
+# secrets an env server does use: its own access token, the deep-search judge's key
+ENV_SERVER_SECRETS = ("SCALINGINTER_ENV_TOKEN", "SI_JUDGE_API_KEY")
+
+
+def is_credential_var(name: str) -> bool:
+    """True for an environment variable name that holds (or may hold) a credential."""
+    up = name.upper()
+    return up.startswith(_DROP_PREFIXES) or any(m in up for m in _DROP_MARKERS)
+
+
+def child_environ(environ: dict[str, str], keep: tuple[str, ...] = ENV_SERVER_SECRETS) -> dict[str, str]:
+    """A copy of ``environ`` without credential variables (``is_credential_var``) except those in ``keep``, and
+    without any value that carries a URI password (``redact_uri`` would change it)."""
+    return {k: v for k, v in environ.items()
+            if k in keep or (not is_credential_var(k) and redact_uri(v) == v)}

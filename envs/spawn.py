@@ -33,6 +33,7 @@ from typing import Any
 
 import httpx
 
+from core.redact import child_environ
 from envs.client import TOKEN_ENV, register_token
 from envs.errors import EnvServerStartError
 
@@ -268,7 +269,7 @@ class EnvServerProcess(EnvServerHandle):
             fd, name = tempfile.mkstemp(prefix=f"envserver-{self.env_name}-", suffix=".log")
             os.close(fd)
             self.log_path = Path(name)
-        env = dict(os.environ)
+        env = child_environ(dict(os.environ))  # no S3 / tracking credentials for the server and its browser
         env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         env["PYTHONUNBUFFERED"] = "1"
         env.update(self.extra_env)
