@@ -105,6 +105,7 @@ def train_arm(a: argparse.Namespace, arm: str, seed: int, phases: list[dict], bu
         "wall_time_s": wall if wall is not None else summary.get("wall_time_s"),
         "steps": len(by_step),
         "generated_tokens": int(sum(m.get("generated_tokens", 0.0) for m in by_step.values())),
+        "step_time_s": float(sum(m.get("step_time_s", 0.0) for m in by_step.values())),
         "train_success": {s: m.get("success_rate") for s, m in sorted(by_step.items())},
         "heldout_by_step": {int(e["global_step"]): e for e in phase_evals},
     }
@@ -118,7 +119,7 @@ def evaluate(a: argparse.Namespace, ref: str, label: str, budgets: list[int], en
         cmd = _cli() + ["eval", ref, a.env, "--n", str(a.eval_n), "--turn-limits", ",".join(map(str, budgets)),
                         "--max-new-tokens", str(max_new_tokens), "--json", str(out),
                         "--experiment", a.experiment]
-        if env_options is not None:  # the base model has no checkpoint to read the trained options from
+        if env_options is not None:
             cmd += ["--set", f"env.options={json.dumps(env_options)}"]
         for s in a.set:  # how to generate (backend, engine settings, model) is the same as in training
             if s.startswith(EVAL_KEYS):
@@ -178,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     for seed in range(a.seeds):
         for arm in arms:
             r = train_arm(a, arm, seed, phases, big)
-            r["final_eval"] = evaluate(a, r["final_checkpoint"], r["run_name"], budgets, None, mnt)
+            # the env options are given, not read from the checkpoint: every model on exactly the same tasks
+            r["final_eval"] = evaluate(a, r["final_checkpoint"], r["run_name"], budgets, cfg.env.options, mnt)
             runs.append(r)
             if not a.keep_checkpoints:
                 _drop_checkpoints(Path(a.output_dir).resolve() / "checkpoints" / r["run_name"])
@@ -205,7 +207,7 @@ def build_report(a: argparse.Namespace, arms: list[str], phases: list[dict], bud
     for arm in arms:
         rs = [r for r in runs if r["arm"] == arm]
         per_seed = [per_task_success(r["final_eval"], big) for r in rs]
-        pooled = pooledper_task_success(per_seed)
+        pooled = pooled_successes(per_seed)
         n = len(pooled)
         k = sum(sum(p) for p in per_seed)
         lo, hi = wilson_interval(int(round(k)), n * len(per_seed))
@@ -226,6 +228,7 @@ def build_report(a: argparse.Namespace, arms: list[str], phases: list[dict], bud
             "steps": rs[0]["steps"] if rs else 0,
             "generated_tokens": sum(r["generated_tokens"] for r in rs) / max(len(rs), 1),
             "wall_time_s": (sum(r["wall_time_s"] or 0 for r in rs) / max(len(rs), 1)),
+            "step_time_s": sum(r["step_time_s"] for r in rs) / max(len(rs), 1),
             "curve": {s: vars(b) for s, b in curve_over_seeds(curves).items()},
             "train_curve": {s: vars(b) for s, b in curve_over_seeds(train_curves).items()},
             "pooled_per_task": pooled,
@@ -259,14 +262,14 @@ def table(report: dict[str, Any]) -> str:
     lines = [f"learning study: {report['env']}, preset {report['preset']}, {report['seeds']} seed(s), "
              f"held-out n={report['eval_n']} at {big} turns (greedy); {report['machine']}",
              f"{'arm':<14}{'limits':<12}{'held-out':>10}{'95% CI':>16}{'vs base p':>12}{'steps':>7}"
-             f"{'tokens':>10}{'wall s':>9}",
+             f"{'tokens':>10}{'step s':>8}{'wall s':>9}",
              f"{'base model':<14}{'-':<12}{report['base']['heldout_success']:>10.3f}"
-             f"{'[%.3f, %.3f]' % tuple(report['base']['ci95']):>16}{'':>12}{0:>7}{'-':>10}{'-':>9}"]
+             f"{'[%.3f, %.3f]' % tuple(report['base']['ci95']):>16}{'':>12}{0:>7}{'-':>10}{'-':>8}{'-':>9}"]
     for arm, r in report["arms"].items():
         ps = ",".join(f"{p:.2g}" for p in r["vs_base_mcnemar_p"])
         lines.append(f"{arm:<14}{'>'.join(map(str, r['turn_limits'])):<12}{r['heldout_success']:>10.3f}"
                      f"{'[%.3f, %.3f]' % tuple(r['ci95']):>16}{ps:>12}{r['steps']:>7}"
-                     f"{r['generated_tokens']:>10.0f}{r['wall_time_s']:>9.0f}")
+                     f"{r['generated_tokens']:>10.0f}{r['step_time_s']:>8.0f}{r['wall_time_s']:>9.0f}")
     for name, c in report["comparisons"].items():
         lines.append(f"{name}: {c['diff']:+.3f} [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}], "
                      f"paired bootstrap p = {c['p_value']:.3g}")

@@ -261,6 +261,17 @@ class RunConfig(_Strict):
         return self.eval.turn_limit or self.curriculum.phases[-1].turn_limit
 
 
+# Fields older versions wrote into configs (checkpoints' trainer_state.json, config.json) that were since
+# retired: reading an old config drops them instead of refusing the whole config.
+RETIRED_KEYS: tuple[str, ...] = ("fail_after_step",)  # now the SCALINGINTER_FAULT_AFTER_STEP test hook
+
+
+def stored_config(data: dict[str, Any]) -> "RunConfig":
+    """A ``RunConfig`` from a config an earlier run stored (retired top-level keys dropped); raises
+    pydantic's ValidationError when it still does not validate."""
+    return RunConfig.model_validate({k: v for k, v in data.items() if k not in RETIRED_KEYS})
+
+
 class ConfigError(ValueError):
     """A bad config value, with a message that says how to fix it."""
 

@@ -55,7 +55,7 @@ from typing import Any
 
 from prefect import flow
 
-from core.config import RunConfig
+from core.config import RunConfig, stored_config
 from core.evalreport import Outcome, build_document, check_sweep, flat_metrics, model_report, report_text
 from envs.base import task_index
 
@@ -89,7 +89,7 @@ def trained_config(model_dir: str | Path) -> tuple[RunConfig | None, dict[str, A
     state = json.loads(path.read_text()) if path.exists() else {}
     if state.get("config"):
         try:
-            return RunConfig.model_validate(state["config"]), state
+            return stored_config(state["config"]), state
         except ValidationError as e:
             print(f"the checkpoint's training config does not validate any more ({e.error_count()} errors); "
                   "using the given env options")

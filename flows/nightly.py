@@ -98,7 +98,7 @@ def decode_successes(text: str) -> list[int | None]:
 def _training_config(env: str, model_dir: Path):
     """The training run's config stored in the checkpoint's trainer_state.json (env options, rollout), else
     the env's defaults."""
-    from core.config import RunConfig, build_config
+    from core.config import build_config, stored_config
 
     from pydantic import ValidationError
 
@@ -106,7 +106,7 @@ def _training_config(env: str, model_dir: Path):
     state = json.loads(path.read_text()) if path.exists() else {}
     if state.get("config"):
         try:
-            return RunConfig.model_validate(state["config"]), state
+            return stored_config(state["config"]), state
         except ValidationError as e:  # a config from an older version: fall back to the env's defaults
             print(f"the checkpoint's config does not validate any more ({e.error_count()} errors); using defaults")
     return build_config(env), state

@@ -200,3 +200,19 @@ def test_episode_metrics_average_what_envs_report_besides_reward():
     m = episode_metrics(ts)
     assert m["mean_score"] == 70.0  # the masked episode's 7 is not counted
     assert m["success_rate"] == 0.5 and m["masked_episodes"] == 1.0
+
+
+def test_stored_config_drops_retired_keys():
+    """A checkpoint written before fail_after_step left RunConfig still gives its config (and env options)."""
+    from pydantic import ValidationError
+
+    from core.config import RunConfig, stored_config
+
+    old = RunConfig(env={"name": "babyai", "options": {"levels": "GoToObj"}}).model_dump(mode="json")
+    old["fail_after_step"] = None
+    with pytest.raises(ValidationError):
+        RunConfig.model_validate(old)
+    assert stored_config(old).env.options == {"levels": "GoToObj"}
+    old["no_such_key"] = 1
+    with pytest.raises(ValidationError):
+        stored_config(old)
