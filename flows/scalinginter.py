@@ -67,6 +67,17 @@ def run_dir(cfg: RunConfig) -> Path:
     return d
 
 
+def recorded_config(cfg: RunConfig) -> dict[str, Any]:
+    """The config as a run records it (config.json, MLflow params, trainer_state.json): URI credentials redacted."""
+    return redact(cfg.model_dump(mode="json"))
+
+
+def write_run_config(rd: Path, cfg: RunConfig) -> Path:
+    path = rd / "config.json"
+    path.write_text(json.dumps(recorded_config(cfg), indent=2))
+    return path
+
+
 def checkpoint_root(cfg: RunConfig) -> str:
     root = cfg.checkpoint.root or str(Path(cfg.output_dir).resolve() / "checkpoints")
     return join_uri(root, cfg.run_name)
@@ -228,7 +239,7 @@ class PhaseProgress:
     def trainer_state(self, i: int, limit: int) -> dict[str, Any]:
         state = {"global_step": self.start + i + 1, "phase": self.plan.phase, "phase_step": i + 1,
                  "turn_limit": limit, "run_name": self.cfg.run_name,
-                 "config": redact(self.cfg.model_dump(mode="json"))}  # no URI credentials in checkpoints
+                 "config": recorded_config(self.cfg)}  # no URI credentials in checkpoints
         if self.gate is not None:
             state["gate"] = self.gstate.to_dict()
             if self.reason is not None:
@@ -464,9 +475,9 @@ def scalinginter(config: RunConfig | None = None, env: str = "babyai", preset: s
     t_run = time.time()
     ledger = timing.reset()
     log_path = quiet_console(rd)  # engine / library chatter -> the run's engine.log
-    (rd / "config.json").write_text(json.dumps(redact(cfg.model_dump(mode="json")), indent=2))  # no URI secrets
+    write_run_config(rd, cfg)  # no URI secrets
     tracker = make_tracker(cfg)
-    parent = tracker.start_run(cfg.run_name, params=redact(cfg.model_dump(mode="json")), tags={"scalinginter.env": cfg.env.name})
+    parent = tracker.start_run(cfg.run_name, params=recorded_config(cfg), tags={"scalinginter.env": cfg.env.name})
     print(f"ScalingInter run {cfg.run_name}: env {cfg.env.name}, model {cfg.model.path}, "
           f"turn limits {' -> '.join(str(p.turn_limit) for p in phases)}, {total_steps(phases)} steps; "
           f"MLflow run {parent} ({redact_uri(tracker.uri)})")
