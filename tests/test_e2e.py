@@ -19,7 +19,8 @@ RUN = "e2e"
 def cli(*args, cwd, timeout=900):
     exe = Path(sys.executable).with_name("scalinginter")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "flows.cli"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # a loaded machine can take longer than Prefect's default 20 s to start the ephemeral API
+    env = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180", **os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(cmd + list(args), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
