@@ -126,6 +126,8 @@ def test_rerun_same_name_skips_finished_phases_and_eval_cli(run_dir):
     p = cli("eval", str(final), "babyai", "--split", "test", "--n", "2", "--turn-limit", "2",
             "--max-new-tokens", "12", "--json", str(js), cwd=out)
     assert p.returncode == 0, p.stderr[-2000:]
-    m = json.loads(js.read_text())
-    assert m["episodes"] == 2 and 0 <= m["success_rate"] <= 1 and 1 <= m["mean_turns"] <= 2
+    doc = json.loads(js.read_text())  # the evaluation document (schema scalinginter.eval/1, flows/evaluate.py)
+    m = doc["models"]["model"]["budgets"]["2"]["overall"]
+    assert doc["schema"] == "scalinginter.eval/1" and doc["task_ids"] == [1_000_000, 1_000_001]
+    assert m["episodes"] == 2 and 0 <= m["avg"]["value"] <= 1 and 1 <= m["mean_turns"] <= 2
     assert "success_rate" in p.stdout
