@@ -130,4 +130,4 @@ def test_rerun_same_name_skips_finished_phases_and_eval_cli(run_dir):
     m = doc["models"]["model"]["budgets"]["2"]["overall"]
     assert doc["schema"] == "scalinginter.eval/1" and doc["task_ids"] == [1_000_000, 1_000_001]
     assert m["episodes"] == 2 and 0 <= m["avg"]["value"] <= 1 and 1 <= m["mean_turns"] <= 2
-    assert "success_rate" in p.stdout
+    assert "success (95% CI)" in p.stdout and "2 tasks x 1 sample (greedy)" in p.stdout  # the printed report
