@@ -8,6 +8,7 @@ from html import escape
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
+from starlette.routing import Route
 
 # The only form of episode key the site server issues (``new_key``); any other path segment is a 404, so nothing
 # a URL carries in that segment (quotes, markup, dot segments) ever reaches a page.
@@ -42,3 +43,12 @@ def page(title: str, nav: str, body: str) -> str:
 
 def money(cents: int) -> str:
     return f"${cents // 100}.{cents % 100:02d}"
+
+
+def state_route(path: str, handler, get_state, **kw) -> Route:
+    """A starlette Route whose endpoint calls ``handler(request, state)`` with the episode's state
+    (``get_state(request)`` answers 404 for a key the env did not issue)."""
+    async def endpoint(request: Request):
+        return await handler(request, get_state(request))
+
+    return Route(path, endpoint, **kw)

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from envs.web.sites.common import e, episode_base, page
+from envs.web.sites.common import e, episode_base, state_route, page
 
 USER = "alex"
 FORUMS = {
@@ -200,19 +200,12 @@ async def _user(request: Request, st: dict[str, Any]) -> Response:
 def make_routes(get_state) -> list[Route]:
     """Routes of the forum; ``get_state(request)`` returns the episode's state dict (404 for a key the env did not
     issue). Each page is a module-level ``async (request, state) -> Response`` function."""
-
-    def page(handler):
-        async def endpoint(request: Request) -> Response:
-            return await handler(request, get_state(request))
-
-        return endpoint
-
     return [
-        Route("/", page(_front)),
-        Route("/f/{name}", page(_forum)),
-        Route("/f/{name}/submit", page(_submit), methods=["GET", "POST"]),
-        Route("/post/{pid:int}", page(_post)),
-        Route("/post/{pid:int}/vote", page(_vote), methods=["POST"]),
-        Route("/post/{pid:int}/comment", page(_comment), methods=["POST"]),
-        Route("/u/{name}", page(_user)),
+        state_route("/", _front, get_state),
+        state_route("/f/{name}", _forum, get_state),
+        state_route("/f/{name}/submit", _submit, get_state, methods=["GET", "POST"]),
+        state_route("/post/{pid:int}", _post, get_state),
+        state_route("/post/{pid:int}/vote", _vote, get_state, methods=["POST"]),
+        state_route("/post/{pid:int}/comment", _comment, get_state, methods=["POST"]),
+        state_route("/u/{name}", _user, get_state),
     ]

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from envs.web.sites.common import e, episode_base, money, page
+from envs.web.sites.common import e, episode_base, state_route, money, page
 
 CATEGORIES = {
     "kitchen": "Kitchen",
@@ -237,24 +237,17 @@ async def _order(request: Request, st: dict[str, Any]) -> Response:
 def make_routes(get_state) -> list[Route]:
     """Routes of the shop; ``get_state(request)`` returns the episode's state dict (404 for a key the env did not
     issue). Each page is a module-level ``async (request, state) -> Response`` function."""
-
-    def page(handler):
-        async def endpoint(request: Request) -> Response:
-            return await handler(request, get_state(request))
-
-        return endpoint
-
     return [
-        Route("/", page(_home)),
-        Route("/category/{slug}", page(_category)),
-        Route("/search", page(_search)),
-        Route("/product/{pid:int}", page(_product_page)),
-        Route("/cart", page(_cart)),
-        Route("/cart/add", page(_cart_add), methods=["POST"]),
-        Route("/cart/remove", page(_cart_remove), methods=["POST"]),
-        Route("/checkout", page(_checkout), methods=["GET", "POST"]),
-        Route("/orders", page(_orders)),
-        Route("/orders/{oid:int}", page(_order)),
+        state_route("/", _home, get_state),
+        state_route("/category/{slug}", _category, get_state),
+        state_route("/search", _search, get_state),
+        state_route("/product/{pid:int}", _product_page, get_state),
+        state_route("/cart", _cart, get_state),
+        state_route("/cart/add", _cart_add, get_state, methods=["POST"]),
+        state_route("/cart/remove", _cart_remove, get_state, methods=["POST"]),
+        state_route("/checkout", _checkout, get_state, methods=["GET", "POST"]),
+        state_route("/orders", _orders, get_state),
+        state_route("/orders/{oid:int}", _order, get_state),
     ]
 
 
