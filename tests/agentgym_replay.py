@@ -67,6 +67,12 @@ def _missing(field: str) -> JSONResponse:  # FastAPI's validation reply, as the 
     return JSONResponse({"detail": [{"type": "missing", "loc": ["body", field], "msg": "Field required"}]}, 422)
 
 
+async def _body(request: Request, *fields: str) -> tuple[dict, JSONResponse | None]:
+    """The request's JSON body and the reply for its first missing field (None when all are there)."""
+    b = await _json(request) or {}
+    return b, next((_missing(f) for f in fields if f not in b), None)
+
+
 def babyai_app(wins: dict[tuple[int, str], float] | None = None) -> FastAPI:
     """The BabyAI server as recorded. ``wins[(data_idx, action)]`` is what that action's win is worth."""
     ex = load_exchanges()
@@ -103,10 +109,9 @@ def babyai_app(wins: dict[tuple[int, str], float] | None = None) -> FastAPI:
 
     @app.post("/reset")
     async def reset(request: Request):
-        b = await _json(request) or {}
-        for f in ("id", "data_idx"):
-            if f not in b:
-                return _missing(f)
+        b, err = await _body(request, "id", "data_idx")
+        if err is not None:
+            return err
         i, k = b["id"], b["data_idx"]
         app.state.resets.append((i, k))
         if (err := check(i, reset=True)) is not None:
@@ -126,10 +131,9 @@ def babyai_app(wins: dict[tuple[int, str], float] | None = None) -> FastAPI:
 
     @app.post("/step")
     async def step(request: Request):
-        b = await _json(request) or {}
-        for f in ("id", "action"):
-            if f not in b:
-                return _missing(f)
+        b, err = await _body(request, "id", "action")
+        if err is not None:
+            return err
         i, action = b["id"], b["action"]
         app.state.steps.append((i, action))
         if (err := check(i)) is not None:
@@ -164,9 +168,9 @@ def babyai_app(wins: dict[tuple[int, str], float] | None = None) -> FastAPI:
 
     @app.post("/close")
     async def close(request: Request):
-        b = await _json(request) or {}
-        if "id" not in b:
-            return _missing("id")
+        b, err = await _body(request, "id")
+        if err is not None:
+            return err
         app.state.closed.append(b["id"])
         if b["id"] not in envs or envs[b["id"]]["deleted"]:
             return False
@@ -217,10 +221,9 @@ def textcraft_app(goals: int = 544) -> FastAPI:
 
     @app.post("/reset")
     async def reset(request: Request):
-        b = await _json(request) or {}
-        for f in ("id", "data_idx"):
-            if f not in b:
-                return _missing(f)
+        b, err = await _body(request, "id", "data_idx")
+        if err is not None:
+            return err
         app.state.resets.append((b["id"], b["data_idx"]))
         if (err := check(b["id"])) is not None:
             return err
@@ -228,10 +231,9 @@ def textcraft_app(goals: int = 544) -> FastAPI:
 
     @app.post("/step")
     async def step(request: Request):
-        b = await _json(request) or {}
-        for f in ("id", "action"):
-            if f not in b:
-                return _missing(f)
+        b, err = await _body(request, "id", "action")
+        if err is not None:
+            return err
         app.state.steps.append((b["id"], b["action"]))
         if (err := check(b["id"])) is not None:
             return err
