@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = preset_config(a.env, a.preset, a.set)
     phases = [p.model_dump() for p in cfg.curriculum.phases]
     mnt = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
-    limits = sorted({phases[0]["turn_limit"], phases[-1]["turn_limit"]} | {p["turn_limit"] for p in phases})
+    limits = sorted({p["turn_limit"] for p in phases})
     budgets = sorted(int(x) for x in a.budgets.split(",")) if a.budgets else limits
     big = max(budgets)
     os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{Path(a.output_dir).resolve() / 'mlflow.db'}")
