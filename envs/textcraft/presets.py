@@ -13,6 +13,19 @@ PRESETS: dict[str, dict[str, Any]] = {
         "algo": {"lr": 2e-6, "kl_coef": 0.001, "micro_batch_size": 2},
         "eval": {"n": 8},
     },
+    # The easy slice for CPU learning (the learning study's second environment): goals of recipe depth 1 only
+    # ("get" the base items, then one "craft"; 125 goals, 61 train / 64 held-out). The base SmolLM2-135M solves
+    # none of the default goals (depth >= 2) in 8 turns; see the README's learning study for its success on this
+    # slice. The BabyAI smoke recipe otherwise: lr 3e-5, no KL reference, temperature 1.0, 2 -> 3 -> 4 turns.
+    "easy": {
+        "env": {"options": {"depth": 1, "n_test": 64}},
+        "curriculum": {"phases": [{"turn_limit": 2, "steps": 4}, {"turn_limit": 3, "steps": 4},
+                                  {"turn_limit": 4, "steps": 4}]},
+        "rollout": {"tasks_per_step": 4, "samples_per_task": 4, "max_new_tokens": 32, "token_budget": 2048,
+                    "temperature": 1.0},
+        "algo": {"lr": 3e-5, "kl_coef": 0.0, "micro_batch_size": 2},
+        "eval": {"n": 64},
+    },
     # The paper's TextCraft schedule (GPU scale): 10 -> 20 -> 30 turns, 100 steps each; 100 test goals.
     "paper": {
         "curriculum": {"phases": [{"turn_limit": 10, "steps": 100}, {"turn_limit": 20, "steps": 100},

