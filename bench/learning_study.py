@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=2, help="training seeds per arm (0..N-1)")
     ap.add_argument("--preset", default="smoke", help="the ScalingInter curriculum and recipe every arm starts from")
     ap.add_argument("--set", action="append", default=[], help="config override for every run (key.path=value)")
-    ap.add_argument("--eval-n", type=int, default=96, help="held-out tasks (the same for every arm and seed)")
+    ap.add_argument("--eval-n", type=int, default=None,
+                    help="held-out tasks, the same for every arm and seed (default: the preset's eval.n)")
     ap.add_argument("--budgets", default=None, help="turn budgets of the final sweep (default: the arms' limits)")
     ap.add_argument("--output-dir", default="runs-study", help="runs, checkpoints, MLflow store and logs")
     ap.add_argument("--experiment", default=None, help="MLflow experiment (default learning-study-<env>)")
@@ -162,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--seeds must be >= 1")
     a.experiment = a.experiment or f"learning-study-{a.env}"
     cfg = preset_config(a.env, a.preset, a.set)
+    a.eval_n = a.eval_n or cfg.eval.n
     phases = [p.model_dump() for p in cfg.curriculum.phases]
     mnt = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
     limits = sorted({p["turn_limit"] for p in phases})
@@ -232,6 +234,7 @@ def build_report(a: argparse.Namespace, arms: list[str], phases: list[dict], bud
             "curve": {s: vars(b) for s, b in curve_over_seeds(curves).items()},
             "train_curve": {s: vars(b) for s, b in curve_over_seeds(train_curves).items()},
             "pooled_per_task": pooled,
+            "per_seed_per_task": per_seed,  # greedy 0/1 per held-out task, per seed (task order of the eval)
         }
     comparisons = {}
     if "scalinginter" in arms_out:
