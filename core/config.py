@@ -7,7 +7,7 @@ import copy
 import json
 from typing import Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from core.curriculum import Phase
 
@@ -204,6 +204,27 @@ class LearnerEngineConfig(_Strict):
     config_path: str | None = Field(None, description="DeepSpeed JSON config (default: infra/deepspeed/zero<stage>.json).")
 
 
+class ResumeConfig(_Strict):
+    allow_changes: list[str] = Field(
+        default_factory=list,
+        description="Training settings (dotted keys, e.g. algo.lr or env.options) a resumed run may change from "
+                    "its checkpoints' config; any other difference refuses the resume. On the command line: "
+                    "--set 'resume.allow_changes=[algo.lr,env.options]'.")
+
+    @field_validator("allow_changes", mode="before")
+    @classmethod
+    def _split(cls, v: Any) -> Any:
+        """``[a.b,c]`` or ``a.b,c`` (how --set passes a list that is not JSON) -> ["a.b", "c"]."""
+        if isinstance(v, str):
+            v = [p.strip().strip("'\"") for p in v.strip().removeprefix("[").removesuffix("]").split(",")]
+            v = [p for p in v if p]
+        if isinstance(v, list):
+            bad = [p for p in v if not isinstance(p, str) or not p or any(not part for part in p.split("."))]
+            if bad:
+                raise ValueError(f"resume.allow_changes takes dotted config keys (e.g. algo.lr), got {bad!r}")
+        return v
+
+
 class RunConfig(_Strict):
     env: EnvConfig = Field(default_factory=EnvConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -214,6 +235,7 @@ class RunConfig(_Strict):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     learner: LearnerEngineConfig = Field(default_factory=LearnerEngineConfig)
+    resume: ResumeConfig = Field(default_factory=ResumeConfig, description="What a resumed run may change.")
     output_dir: str = Field("runs", description="Local folder for checkpoints, the MLflow store and rollouts.")
     run_name: str | None = Field(None, description="Run name; a run with the same name and config resumes.")
     preset: str | None = Field(None, description="Preset this config was built from.")

@@ -113,6 +113,7 @@ def eval_(
     given_options = any(o.split("=", 1)[0].strip().startswith("env.options") for o in set_)
     from core.evalreport import report_text
     from flows.evaluate import EvalInputError, evaluate, log_eval, plot_sweep, write_json
+    from tasks.checkpoint_store import CheckpointCorrupted, CheckpointStoreError
 
     try:
         doc = evaluate(cfg, checkpoint, split=split, n=n, samples=samples, turn_limits=limits,
@@ -120,6 +121,11 @@ def eval_(
                        env_options=cfg.env.options if given_options else None, max_new_tokens=max_new_tokens)
     except EvalInputError as e:
         _fail(str(e))
+    except CheckpointCorrupted as e:  # a truncated or altered file: the manifest check names it
+        _fail(f"checkpoint {e.uri} is damaged: {e.reason}; evaluate another checkpoint (e.g. the phase's previous "
+              "step checkpoint or final) or copy this one again")
+    except CheckpointStoreError as e:
+        _fail(f"cannot load checkpoint {e.uri}: {e.reason}")
     typer.echo(report_text(doc))
     if json_path:
         typer.echo(f"wrote {write_json(doc, json_path)}")

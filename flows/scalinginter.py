@@ -7,7 +7,10 @@ phase k (child flow, MLflow child run)
   -> final checkpoint (its URI is the phase's result; the next phase starts from it)
 
 Resume: a phase whose final checkpoint exists is skipped; a phase with step checkpoints resumes after the
-last one (model, optimizer, RNG; the data position and turn limit are functions of the global step).
+last one (model, optimizer, RNG; the data position and turn limit are functions of the global step). Every
+checkpoint holds the fingerprint of the training config; a resume with a different one is refused unless the
+changed keys are in ``resume.allow_changes``. Step records after the resumed position are recorded once:
+metrics.jsonl is cut back to the position, MLflow steps that have a value are not logged again.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from prefect import flow
 from core.config import RunConfig
 from core.redact import redact, redact_uri
 from core.curriculum import Gate, GateState, Phase, gate_update, phase_start, total_steps, turn_limit_at
+from core.fingerprint import ResumeMismatch, check_resume, fingerprint
+from core.records import kept_metric_lines
 from flows.config import build_config
 from core.walltime import format_breakdown
 from core.evalreport import SCHEMA as EVAL_SCHEMA
@@ -122,6 +127,44 @@ def resume_source(cfg: RunConfig, plan: "PhasePlan", init_ref: str) -> tuple[str
     return init_ref, local_model_dir(cfg, init_ref), False
 
 
+def checkpoint_state(cfg: RunConfig, uri: str) -> dict[str, Any]:
+    """The trainer_state.json of a complete checkpoint ({} when it has none). A local one is read in place; an
+    S3 one is loaded (verified) into the cache, where the resume or evaluation that follows finds it."""
+    d = Path(uri) if not is_s3_uri(uri) else Path(local_model_dir(cfg, uri))
+    path = d / "trainer_state.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def check_config(cfg: RunConfig, state: dict[str, Any], checkpoint: str) -> None:
+    """Refuse to continue ``checkpoint`` (its trainer state ``state``) under a training config that differs
+    from the one it was made with, unless every changed key is in ``resume.allow_changes``."""
+    chk = check_resume(state.get("fingerprint"), fingerprint(recorded_config(cfg)), cfg.resume.allow_changes)
+    if chk.unchecked:
+        print(f"warning: checkpoint {checkpoint} has no config fingerprint (written by an older version); "
+              "resuming without checking that the training config is the same")
+    if chk.refused:
+        raise ResumeMismatch(cfg.run_name or "", checkpoint, chk.refused)
+    if chk.allowed:
+        print(f"resuming from {checkpoint} with allowed config changes (resume.allow_changes): "
+              + "; ".join(str(c) for c in chk.allowed))
+
+
+def check_run_resume(cfg: RunConfig) -> None:
+    """Before a run writes anything: the newest checkpoint of the run (a phase's final or step checkpoint, last
+    phase first) must have been made with the same training config (``check_config``). A damaged one is left
+    to the phase's own resume, which falls back past it."""
+    for k in range(len(cfg.curriculum.phases), 0, -1):
+        plan = PhasePlan.of(cfg, k)
+        uri = plan.final_uri if checkpoint_exists(plan.final_uri) else read_latest(plan.phase_uri)
+        if uri and checkpoint_exists(uri):
+            try:
+                state = checkpoint_state(cfg, uri)
+            except (CheckpointCorrupted, ValueError):
+                continue
+            check_config(cfg, state, uri)
+            return
+
+
 FAULT_ENV = "SCALINGINTER_FAULT_AFTER_STEP"
 
 
@@ -156,7 +199,8 @@ def phase_flow(config: RunConfig, phase: int, init_ref: str, parent_run_id: str 
                                    tags={"scalinginter.phase": str(phase)})
         key, prog = open_phase(cfg, plan, init_ref)
         urls = T.spawn_env_servers(key)
-        rec, ckpt = StepRecorder(cfg, plan, tracker, run_id, parent_run_id), PhaseCheckpoints(cfg, plan, key)
+        rec = StepRecorder(cfg, plan, tracker, run_id, parent_run_id, position=prog.start + prog.done)
+        ckpt = PhaseCheckpoints(cfg, plan, key)
         for i in range(prog.done, plan.steps):
             gstep, t0 = prog.start + i, time.time()
             limit = plan.limit_at(gstep)
@@ -239,7 +283,8 @@ class PhaseProgress:
     def trainer_state(self, i: int, limit: int) -> dict[str, Any]:
         state = {"global_step": self.start + i + 1, "phase": self.plan.phase, "phase_step": i + 1,
                  "turn_limit": limit, "run_name": self.cfg.run_name,
-                 "config": recorded_config(self.cfg)}  # no URI credentials in checkpoints
+                 "config": recorded_config(self.cfg),  # no URI credentials in checkpoints
+                 "fingerprint": fingerprint(recorded_config(self.cfg))}  # what a resume must match
         if self.gate is not None:
             state["gate"] = self.gstate.to_dict()
             if self.reason is not None:
@@ -251,6 +296,9 @@ def open_phase(cfg: RunConfig, plan: PhasePlan, init_ref: str) -> tuple[str, Pha
     """Load the learner from the phase's last step checkpoint (resume) or the previous phase's result, and
     restore the optimizer, RNG, position and gate state from a checkpoint. Returns the session key."""
     src, model_dir, resumed = resume_source(cfg, plan, init_ref)
+    if resumed:  # before the model loads: a mismatched config fails fast
+        state_file = Path(model_dir) / "trainer_state.json"
+        check_config(cfg, json.loads(state_file.read_text()) if state_file.exists() else {}, src)
     key = T.open_session(cfg, model_dir, train=True, reference_dir=local_model_dir(cfg, cfg.model.path))
     prog = PhaseProgress(plan, cfg, start=plan.start, gate=Gate(**cfg.curriculum.gate.model_dump()) if plan.gated else None)
     if src != cfg.model.path:  # a checkpoint: restore optimizer, RNG and position
@@ -282,39 +330,56 @@ def finish_phase(cfg: RunConfig, plan: PhasePlan, tracker: Tracker, run_id: str,
 def finished_phase(cfg: RunConfig, plan: PhasePlan, parent_run_id: str | None) -> str:
     """A phase whose final checkpoint exists is skipped; if the earlier run stopped between that checkpoint and
     its registration, the registration is repaired."""
-    print(f"phase {plan.phase}: final checkpoint exists ({plan.final_uri}); skipping")
+    state = checkpoint_state(cfg, plan.final_uri)
+    check_config(cfg, state, plan.final_uri)
+    gstep, done = final_position(plan, state)
+    print(f"phase {plan.phase}: final checkpoint exists ({plan.final_uri}, global step {gstep}); skipping")
     tracker = make_tracker(cfg)
     run_id = tracker.find_run(f"{cfg.run_name}/phase-{plan.phase}", parent_run_id)
     if run_id is not None:  # registration is the step after the final checkpoint: make sure it happened
-        version = tracker.ensure_registered(cfg.env.name, plan.final_uri, run_id,
-                                            plan.registry_tags(cfg, plan.start + plan.steps))
+        version = tracker.ensure_registered(cfg.env.name, plan.final_uri, run_id, plan.registry_tags(cfg, gstep))
         if version is not None:
             print(f"phase {plan.phase}: registered {plan.final_uri} as model scalinginter-{cfg.env.name} version "
                   f"{version} (the earlier run stopped before registering it)")
-    _phase_artifact(cfg, plan.phase, plan.steps, plan.start + plan.steps, None, plan.final_uri, None,
+    _phase_artifact(cfg, plan.phase, done, gstep, None, plan.final_uri, None,
                     note="Skipped: the final checkpoint of this phase exists (resumed run).")
     return plan.final_uri
 
 
+def final_position(plan: PhasePlan, state: dict[str, Any]) -> tuple[int, int]:
+    """(global step, phase steps done) of a phase's final checkpoint: its own trainer state's (a gated phase
+    ends early, so the plan's ``start + steps`` is only the fallback for a checkpoint without one)."""
+    try:
+        return int(state["global_step"]), int(state.get("phase_step", plan.steps))
+    except (KeyError, TypeError, ValueError):
+        return plan.start + plan.steps, plan.steps
+
+
 class StepRecorder:
     """Where a step's results go: the phase's MLflow run (and the parent's headline metrics), metrics.jsonl,
-    sample trajectories as an MLflow artifact, every episode as Parquet, and one printed line."""
+    sample trajectories as an MLflow artifact, every episode as Parquet, and one printed line.
+
+    Each global step is recorded once, also when it runs again after a resume (core.records): opening at
+    ``position`` (the global step the phase resumes from) cuts metrics.jsonl back to it, MLflow metrics are
+    logged only at steps that have no value yet, Parquet files and artifacts are replaced by name."""
 
     HEADLINE = ("mean_reward", "success_rate", "mean_turns")
 
-    def __init__(self, cfg: RunConfig, plan: PhasePlan, tracker: Tracker, run_id: str, parent_run_id: str | None):
+    def __init__(self, cfg: RunConfig, plan: PhasePlan, tracker: Tracker, run_id: str, parent_run_id: str | None,
+                 position: int = 0):
         self.cfg, self.plan, self.tracker, self.run_id, self.parent_run_id = cfg, plan, tracker, run_id, parent_run_id
         self.dir = run_dir(cfg)
         self.last_metrics: dict[str, float] | None = None
+        trim_metrics_file(self.dir / "metrics.jsonl", position)
 
     def step(self, i: int, gstep: int, limit: int, batch: T.Batch, adv: T.Advantages, upd: dict[str, float],
              step_time_s: float) -> dict[str, float]:
         cfg, plan, roll, trajs = self.cfg, self.plan, batch.metrics, batch.trajectories
         metrics = {**roll, **adv.stats, **{f"train/{k}": v for k, v in upd.items()}, "turn_limit": float(limit),
                    "step_time_s": step_time_s}
-        self.tracker.log_metrics(self.run_id, metrics, step=gstep)
+        self.tracker.log_metrics_once(self.run_id, metrics, step=gstep)
         if self.parent_run_id:
-            self.tracker.log_metrics(self.parent_run_id, {k: metrics[k] for k in self.HEADLINE}, step=gstep)
+            self.tracker.log_metrics_once(self.parent_run_id, {k: metrics[k] for k in self.HEADLINE}, step=gstep)
         if cfg.tracking.log_trajectories:
             self.tracker.log_text(self.run_id, T.trajectories_text(trajs, cfg.tracking.log_trajectories),
                                   f"trajectories/step-{gstep + 1:06d}.json")
@@ -338,9 +403,24 @@ class StepRecorder:
         print(f"phase {phase}: gated transition after {phase_steps} steps ({reason}; "
               f"best smoothed success {gstate.best:.3f})")
         for rid in filter(None, (self.run_id, self.parent_run_id)):
-            self.tracker.log_metrics(rid, {"curriculum/transition_phase": float(phase)}, step=global_step)
+            self.tracker.log_metrics_once(rid, {"curriculum/transition_phase": float(phase)}, step=global_step)
             self.tracker.set_tag(rid, f"scalinginter.phase_{phase}.end", f"{reason} at step {global_step}")
         self.tracker.log_text(self.run_id, json.dumps(event, indent=2), f"events/phase-{phase}-transition.json")
+
+
+def trim_metrics_file(path: Path, position: int) -> None:
+    """Drop the lines of ``metrics.jsonl`` after global step ``position`` (steps about to run again) and any
+    torn line; rewritten atomically (temporary file, then rename), and only when something is dropped."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines()
+    kept = kept_metric_lines(lines, position)
+    if len(kept) == len(lines):
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+    print(f"{path}: dropped {len(lines) - len(kept)} line(s) after global step {position} (they run again)")
 
 
 class PhaseCheckpoints:
@@ -435,7 +515,7 @@ def _phase_eval(cfg: RunConfig, tracker: Tracker, parent: str, phase: int, ref: 
     doc["global_step"] = step
     (run_dir(cfg) / f"eval_phase-{phase}.json").write_text(json.dumps(doc, indent=2))
     m = flat_metrics(doc)
-    tracker.log_metrics(parent, {"heldout/success_rate": m["success_rate"]}, step=step)
+    tracker.log_metrics_once(parent, {"heldout/success_rate": m["success_rate"]}, step=step)
     print(f"phase {phase} held-out: " + fmt(m, ["success_rate", "success_rate_ci_low", "success_rate_ci_high"]))
 
 
@@ -474,6 +554,7 @@ def scalinginter(config: RunConfig | None = None, env: str = "babyai", preset: s
     rd = run_dir(cfg)
     t_run = time.time()
     ledger = timing.reset()
+    check_run_resume(cfg)  # a reused run name with another training config stops here, before anything is written
     log_path = quiet_console(rd)  # engine / library chatter -> the run's engine.log
     write_run_config(rd, cfg)  # no URI secrets
     tracker = make_tracker(cfg)
@@ -492,11 +573,11 @@ def scalinginter(config: RunConfig | None = None, env: str = "babyai", preset: s
                   f"{cfg.eval_turn_limit} turns)")
             before_doc = _cached_eval(cfg, rd / "eval_before.json", cfg.model.path)
             before = flat_metrics(before_doc)
-            tracker.log_metrics(parent, {f"eval_before/{k}": v for k, v in before.items()}, step=0)
+            tracker.log_metrics_once(parent, {f"eval_before/{k}": v for k, v in before.items()}, step=0)
             print("before: " + fmt(before, ["success_rate", "success_rate_ci_low", "success_rate_ci_high",
                                             "mean_reward", "mean_turns"]))
         if before is not None:
-            tracker.log_metrics(parent, {"heldout/success_rate": before["success_rate"]}, step=0)
+            tracker.log_metrics_once(parent, {"heldout/success_rate": before["success_rate"]}, step=0)
         ref = cfg.model.path
         for k in range(len(phases)):
             ref = phase_flow(cfg, k + 1, ref, parent)
@@ -507,13 +588,15 @@ def scalinginter(config: RunConfig | None = None, env: str = "babyai", preset: s
             print(f"evaluating the final model on {cfg.eval.n} held-out tasks")
             after_doc = _cached_eval(cfg, rd / "eval_after.json", ref)
             after = flat_metrics(after_doc)
-            tracker.log_metrics(parent, {f"eval_after/{k}": v for k, v in after.items()}, step=total_steps(phases))
-            tracker.log_metrics(parent, {"heldout/success_rate": after["success_rate"]},
-                                step=_phase_end_step(cfg, len(phases), ref))
+            tracker.log_metrics_once(parent, {f"eval_after/{k}": v for k, v in after.items()},
+                                     step=total_steps(phases))
+            tracker.log_metrics_once(parent, {"heldout/success_rate": after["success_rate"]},
+                                     step=_phase_end_step(cfg, len(phases), ref))
         paired = paired_eval(before_doc, after_doc)
         if paired is not None:
-            tracker.log_metrics(parent, {"eval_after/diff_vs_before": paired["diff"],
-                                         "eval_after/p_value_vs_before": paired["p_value"]}, step=total_steps(phases))
+            tracker.log_metrics_once(parent, {"eval_after/diff_vs_before": paired["diff"],
+                                              "eval_after/p_value_vs_before": paired["p_value"]},
+                                     step=total_steps(phases))
         tracker.set_tag(parent, "scalinginter.final_checkpoint", ref)
         summary = {"run_name": cfg.run_name, "mlflow_run_id": parent, "mlflow_uri": redact_uri(tracker.uri),
                    "final_checkpoint": ref, "eval_before": before, "eval_after": after, "eval_paired": paired}

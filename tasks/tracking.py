@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from core.records import unlogged
+
 
 def default_tracking_uri(output_dir: str | Path, configured: str | None = None) -> str:
     if configured:
@@ -45,6 +47,7 @@ class Tracker:
         logging.getLogger("mlflow").setLevel(logging.WARNING)
         self.uri = uri
         self.client = MlflowClient(tracking_uri=uri)
+        self._logged: dict[tuple[str, str], set[int]] = {}  # (run, metric) -> steps with a value (log_metrics_once)
         exp = self.client.get_experiment_by_name(experiment)
         if exp is None:
             loc = None
@@ -92,6 +95,22 @@ class Tracker:
         ms = [Metric(k, float(v), ts, step) for k, v in metrics.items() if v is not None]
         if ms:
             self.client.log_batch(run_id, metrics=ms)
+
+    def logged_steps(self, run_id: str, key: str) -> set[int]:
+        """The steps at which metric ``key`` of the run has a value: read from MLflow once per tracker, then kept
+        up to date by ``log_metrics_once``."""
+        if (run_id, key) not in self._logged:
+            self._logged[(run_id, key)] = {m.step for m in self.client.get_metric_history(run_id, key)}
+        return self._logged[(run_id, key)]
+
+    def log_metrics_once(self, run_id: str, metrics: dict[str, float | None], step: int) -> dict[str, float]:
+        """Log the metrics that have no value at ``step`` yet (MLflow keeps every value logged, so a step that
+        runs again after a resume would otherwise be recorded twice). Returns what was logged."""
+        new = unlogged(metrics, step, {k: self.logged_steps(run_id, k) for k in metrics})
+        self.log_metrics(run_id, new, step)
+        for k in new:
+            self._logged[(run_id, k)].add(step)
+        return new
 
     def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
         self.client.log_text(run_id, text, artifact_file)

@@ -1,0 +1,116 @@
+"""The training config a checkpoint was made with, and whether a resume may continue it.
+
+Every checkpoint's trainer state holds a fingerprint: the training-relevant settings (the model, env and its
+options, algorithm, rollout, curriculum, learner engine and seed) as dotted keys with their values, and a
+sha256 over them. Where results go (eval, tracking, output and checkpoint paths) and operational settings that
+do not change what is trained (the address and number of env servers, timeouts, threads, generation batching,
+the vLLM cache size) are left out. A resume compares the checkpoint's fingerprint with the current config and
+refuses differences the user did not allow (``resume.allow_changes``)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from core.config import ConfigError
+
+FINGERPRINT_VERSION = 1
+TRAINING_SECTIONS = ("model", "env", "algo", "rollout", "curriculum", "learner", "seed")
+OPERATIONAL_KEYS = frozenset({
+    "env.url", "env.num_servers", "env.runtime", "env.image", "env.request_timeout_s", "model.threads",
+    "rollout.gen_batch_size", "rollout.max_live_episodes", "rollout.vllm_kv_cache_gb", "rollout.vllm_kv_budget_gb",
+})
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "(absent)"
+
+
+ABSENT = _Absent()  # a key one side of a diff does not have
+
+
+def _flatten(value: Any, key: str, out: dict[str, Any]) -> None:
+    if isinstance(value, Mapping):  # an empty section adds no key: {} -> {"a": 1} is one added key, not two
+        for k, v in value.items():
+            _flatten(v, f"{key}.{k}", out)
+    else:
+        out[key] = value
+
+
+def training_values(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The training-relevant settings of a run config (its JSON form) as ``{dotted key: value}``; lists (such
+    as ``curriculum.phases``) are one value."""
+    flat: dict[str, Any] = {}
+    for section in TRAINING_SECTIONS:
+        if section in config:
+            _flatten(config[section], section, flat)
+    return {k: v for k, v in sorted(flat.items()) if k not in OPERATIONAL_KEYS}
+
+
+def fingerprint(config: Mapping[str, Any]) -> dict[str, Any]:
+    """What a checkpoint stores: the format version, the training values and their sha256."""
+    values = training_values(config)
+    digest = hashlib.sha256(json.dumps(values, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return {"version": FINGERPRINT_VERSION, "sha256": digest, "values": values}
+
+
+@dataclass(frozen=True)
+class Change:
+    key: str
+    old: Any
+    new: Any
+
+    def __str__(self) -> str:
+        def show(v: Any) -> str:
+            return repr(v) if v is ABSENT else json.dumps(v)
+
+        return f"{self.key}: {show(self.old)} -> {show(self.new)}"
+
+
+def diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Change]:
+    """The keys whose values differ (present on one side only included), sorted by key."""
+    return [Change(k, old.get(k, ABSENT), new.get(k, ABSENT)) for k in sorted(set(old) | set(new))
+            if old.get(k, ABSENT) != new.get(k, ABSENT)]
+
+
+def is_allowed(key: str, allow: Iterable[str]) -> bool:
+    """``key`` is named in ``allow`` itself or under a named section (``env.options`` allows ``env.options.x``)."""
+    return any(key == a or key.startswith(a + ".") for a in allow)
+
+
+@dataclass(frozen=True)
+class ResumeCheck:
+    refused: list[Change] = field(default_factory=list)
+    allowed: list[Change] = field(default_factory=list)
+    unchecked: bool = False  # the checkpoint has no fingerprint (written before they existed)
+
+
+def check_resume(stored: Mapping[str, Any] | None, current: Mapping[str, Any],
+                 allow: Iterable[str] = ()) -> ResumeCheck:
+    """Compare a checkpoint's fingerprint ``stored`` with the current config's ``current`` (both as made by
+    ``fingerprint``); differences under a key in ``allow`` are allowed, the others refused."""
+    if not stored or "values" not in stored:
+        return ResumeCheck(unchecked=True)
+    if stored.get("sha256") == current.get("sha256"):
+        return ResumeCheck()
+    allow = list(allow)
+    changes = diff(stored["values"], current["values"])
+    return ResumeCheck(refused=[c for c in changes if not is_allowed(c.key, allow)],
+                       allowed=[c for c in changes if is_allowed(c.key, allow)])
+
+
+class ResumeMismatch(ConfigError):
+    """A run resumed with a training config that differs from its checkpoint's."""
+
+    def __init__(self, run_name: str, checkpoint: str, changes: list[Change]):
+        self.changes = changes
+        keys = ",".join(c.key for c in changes)
+        lines = [f"run {run_name!r} cannot resume: its checkpoint {checkpoint} was trained with a different config "
+                 f"({len(changes)} training setting{'s' if len(changes) != 1 else ''} changed, old -> new):"]
+        lines += [f"  {c}" for c in changes]
+        lines.append(f"Either start a new run (--run-name NEW_NAME), or continue this one under the new values: "
+                     f"--set 'resume.allow_changes=[{keys}]'")
+        super().__init__("\n".join(lines))
