@@ -16,6 +16,7 @@ import os
 import random
 import shutil
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +68,8 @@ class Advantages:
     prepared: Any
     stats: dict[str, float]
 
+
+PROGRESS_EVERY_S = 15.0  # rollout progress: the first turn's line, later turns' at most this often (none once all ended)
 
 _SESSIONS: dict[str, Session] = {}
 
@@ -160,14 +163,14 @@ def open_session(cfg: RunConfig, model_dir: str, train: bool, reference_dir: str
             s.model = load_causal_lm(model_dir)
             s.model.eval()
     pad = s.tokenizer.pad_token_id if s.tokenizer.pad_token_id is not None else s.tokenizer.eos_token_id
-    if cfg.rollout.backend == "vllm":  # its own engine for the whole session; synced after each update
+    s.chat = ChatFormat.from_tokenizer(s.tokenizer)
+    if cfg.rollout.backend == "vllm":  # the process's kept engine (this session's weights loaded) or a new one
         from tasks.backends.vllm_backend import backend_for
 
         s.backend = backend_for(cfg, model_dir, s.tokenizer, s.learner)
     else:
         s.backend = TransformersBackend(s.model, s.tokenizer.eos_token_id, pad, cfg.rollout.gen_batch_size,
                                         resolve_bf16(cfg.model.bf16_autocast))
-    s.chat = ChatFormat.from_tokenizer(s.tokenizer)
     key = uuid.uuid4().hex
     _SESSIONS[key] = s
     return key
@@ -182,7 +185,14 @@ def close_session(key: str) -> None:
             proc.stop()
         except Exception:  # noqa: BLE001
             pass
-    for obj in (s.backend, s.learner):  # a vLLM engine process, DeepSpeed ranks
+    if s.backend is not None and s.cfg.rollout.backend == "vllm":  # kept for the next session in a keep_engines scope
+        from tasks.backends.vllm_backend import release_backend
+
+        try:
+            release_backend(s.backend)
+        except Exception:  # noqa: BLE001
+            pass
+    for obj in (s.learner,) if s.cfg.rollout.backend == "vllm" else (s.backend, s.learner):  # DeepSpeed ranks
         close = getattr(obj, "close", None)
         if close is not None:
             try:
@@ -255,7 +265,13 @@ def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, tur
                       f"{'' if s.cfg.rollout.max_live_episodes is None else f', rollout.max_live_episodes {s.cfg.rollout.max_live_episodes}'}): "
                       f"{len(specs) - cap} wait for a free slot", flush=True)
 
-            def on_round(rnd, live, st):
+            last_print = [time.monotonic()]
+
+            def on_round(rnd, live, st):  # the console stays short: see PROGRESS_EVERY_S
+                now = time.monotonic()
+                if rnd > 1 and (live == 0 or now - last_print[0] < PROGRESS_EVERY_S):
+                    return
+                last_print[0] = now
                 wait = f", {st.waiting} waiting for env capacity (at most {st.live_cap} live)" if st.waiting else ""
                 print(f"  [{label}] turn {rnd}/{turn_limit}: {live} episodes still running{wait}, "
                       f"{st.generated_tokens} tokens generated ({st.tokens_per_s:.0f} tok/s)", flush=True)
