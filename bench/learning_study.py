@@ -143,7 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--env", default="babyai")
     ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated: " + ", ".join(ARMS))
-    ap.add_argument("--seeds", type=int, default=2, help="training seeds per arm (0..N-1)")
+    ap.add_argument("--seeds", type=int, default=2, help="training seeds per arm (first-seed .. first-seed+N-1)")
+    ap.add_argument("--first-seed", type=int, default=0, help="the first training seed (add seeds to an earlier study)")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="REPORT.json",
+                    help="no training: merge study reports of the same env, preset and held-out tasks but different "
+                         "seeds into one report (table, JSON, PNG)")
     ap.add_argument("--preset", default="smoke", help="the ScalingInter curriculum and recipe every arm starts from")
     ap.add_argument("--set", action="append", default=[], help="config override for every run (key.path=value)")
     ap.add_argument("--eval-n", type=int, default=None,
@@ -155,6 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-checkpoints", action="store_true", help="keep the runs' checkpoints (default: delete "
                                                                      "them once scored; ~0.5-1.6 GB each)")
     a = ap.parse_args(argv)
+    if a.merge:
+        report = merge_reports([json.loads(Path(p).read_text()) for p in a.merge])
+        report["merged_from"] = [Path(p).name for p in a.merge]
+        a.env = report["env"]
+        write_outputs(a, report)
+        return 0
     try:
         arms = parse_arms(a.arms)
     except ValueError as e:
@@ -178,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     base = evaluate(a, cfg.model.path, "base", budgets, cfg.env.options, mnt)
     runs = []
-    for seed in range(a.seeds):
+    for seed in range(a.first_seed, a.first_seed + a.seeds):
         for arm in arms:
             r = train_arm(a, arm, seed, phases, big)
             # the env options are given, not read from the checkpoint: every model on exactly the same tasks
@@ -251,6 +261,79 @@ def build_report(a: argparse.Namespace, arms: list[str], phases: list[dict], bud
             "runs": [{k: v for k, v in r.items() if k != "final_eval"} for r in runs]}
 
 
+def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report from study reports that differ only in their seeds (same env, preset, held-out tasks and base
+    model outcome): pooled success and intervals over every seed's episodes, the paired comparisons on the
+    per-task means over all seeds, the sweeps at the budgets every report has (mean over seeds), the curves' points
+    with the number of seeds behind each. A report written before ``per_seed_per_task`` existed counts as one seed
+    per arm whose per-task outcomes are its ``pooled_per_task``."""
+    from core.stats import paired_bootstrap, wilson_interval
+
+    if len(reports) < 2:
+        raise SystemExit("--merge needs two or more reports")
+    first = reports[0]
+    for r in reports[1:]:
+        for key in ("env", "preset", "eval_n"):
+            if r[key] != first[key]:
+                raise SystemExit(f"--merge: reports differ in {key}: {first[key]!r} vs {r[key]!r}")
+        if abs(r["base"]["heldout_success"] - first["base"]["heldout_success"]) > 1e-12:
+            raise SystemExit("--merge: the base model scored differently: not the same held-out tasks")
+        if list(r["arms"]) != list(first["arms"]):
+            raise SystemExit(f"--merge: reports have different arms: {list(first['arms'])} vs {list(r['arms'])}")
+    budgets = sorted(set.intersection(*(set(int(b) for b in r["budgets"]) for r in reports)))
+    if max(budgets) != max(int(b) for b in first["budgets"]):
+        raise SystemExit("--merge: the reports do not share their largest budget")
+    arms_out: dict[str, Any] = {}
+    for arm in first["arms"]:
+        parts = [r["arms"][arm] for r in reports]
+        per_seed = [s for p in parts for s in p.get("per_seed_per_task") or [p["pooled_per_task"]]]
+        n, seeds = len(per_seed[0]), len(per_seed)
+        k = sum(sum(s) for s in per_seed)
+        lo, hi = wilson_interval(int(round(k)), n * seeds)
+
+        def merged_curve(key: str) -> dict[str, Any]:
+            pts: dict[int, list[tuple[dict, int]]] = {}
+            for p in parts:
+                for step, b in p[key].items():
+                    pts.setdefault(int(step), []).append((b, int(b.get("n", 1))))
+            out = {}
+            for step, bs in sorted(pts.items()):
+                total = sum(w for _, w in bs)
+                out[str(step)] = {"mean": sum(b["mean"] * w for b, w in bs) / total,
+                                  "lo": min(b["lo"] for b, _ in bs), "hi": max(b["hi"] for b, _ in bs), "n": total}
+            return out
+
+        arms_out[arm] = {
+            "turn_limits": parts[0]["turn_limits"], "runs": [x for p in parts for x in p["runs"]],
+            "heldout_success": k / (n * seeds), "ci95": [lo, hi],
+            "per_seed_success": [x for p in parts for x in p["per_seed_success"]],
+            "vs_base_mcnemar_p": [x for p in parts for x in p["vs_base_mcnemar_p"]],
+            "sweep": {str(b): sum(p["sweep"][str(b)] * len(p["per_seed_success"]) for p in parts) / seeds
+                      for b in budgets},
+            "steps": parts[0]["steps"],
+            **{key: sum(p[key] * len(p["per_seed_success"]) for p in parts) / seeds
+               for key in ("generated_tokens", "wall_time_s", "step_time_s")},
+            "curve": merged_curve("curve"), "train_curve": merged_curve("train_curve"),
+            "pooled_per_task": [sum(col) / seeds for col in zip(*per_seed)],
+            "per_seed_per_task": per_seed,
+        }
+    comparisons = {}
+    if "scalinginter" in arms_out:
+        si = arms_out["scalinginter"]["pooled_per_task"]
+        for arm in arms_out:
+            if arm != "scalinginter":
+                c = paired_bootstrap(si, arms_out[arm]["pooled_per_task"], seed=0)
+                comparisons[f"scalinginter - {arm}"] = {"diff": c.diff, "ci95": list(c.ci), "p_value": c.p_value}
+    base = dict(first["base"])
+    base["sweep"] = {str(b): first["base"]["sweep"][str(b)] for b in budgets}
+    return {"env": first["env"], "preset": first["preset"], "overrides": first["overrides"],
+            "seeds": len(arms_out[next(iter(arms_out))]["per_seed_success"]), "eval_n": first["eval_n"],
+            "budgets": budgets, "experiment": first["experiment"],
+            "machine": "; ".join(sorted({r["machine"] for r in reports})), "base": base, "arms": arms_out,
+            "comparisons": comparisons, "wall_time_s": sum(r["wall_time_s"] for r in reports),
+            "runs": [x for r in reports for x in r["runs"]]}
+
+
 def _machine() -> str:
     try:
         flags = set(open("/proc/cpuinfo").read().split())
@@ -264,14 +347,14 @@ def table(report: dict[str, Any]) -> str:
     big = max(report["budgets"])
     lines = [f"learning study: {report['env']}, preset {report['preset']}, {report['seeds']} seed(s), "
              f"held-out n={report['eval_n']} at {big} turns (greedy); {report['machine']}",
-             f"{'arm':<14}{'limits':<12}{'held-out':>10}{'95% CI':>16}{'vs base p':>12}{'steps':>7}"
+             f"{'arm':<14}{'limits':<12}{'held-out':>10}{'95% CI':>16}{'vs base p (per seed)':>22}{'steps':>7}"
              f"{'tokens':>10}{'step s':>8}{'wall s':>9}",
              f"{'base model':<14}{'-':<12}{report['base']['heldout_success']:>10.3f}"
-             f"{'[%.3f, %.3f]' % tuple(report['base']['ci95']):>16}{'':>12}{0:>7}{'-':>10}{'-':>8}{'-':>9}"]
+             f"{'[%.3f, %.3f]' % tuple(report['base']['ci95']):>16}{'':>22}{0:>7}{'-':>10}{'-':>8}{'-':>9}"]
     for arm, r in report["arms"].items():
         ps = ",".join(f"{p:.2g}" for p in r["vs_base_mcnemar_p"])
         lines.append(f"{arm:<14}{'>'.join(map(str, r['turn_limits'])):<12}{r['heldout_success']:>10.3f}"
-                     f"{'[%.3f, %.3f]' % tuple(r['ci95']):>16}{ps:>12}{r['steps']:>7}"
+                     f"{'[%.3f, %.3f]' % tuple(r['ci95']):>16}{ps:>22}{r['steps']:>7}"
                      f"{r['generated_tokens']:>10.0f}{r['step_time_s']:>8.0f}{r['wall_time_s']:>9.0f}")
     for name, c in report["comparisons"].items():
         lines.append(f"{name}: {c['diff']:+.3f} [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}], "
