@@ -196,3 +196,32 @@ def test_depth_slice_has_its_own_split_and_every_goal_is_one_craft(tmp_path, mon
             TextCraftEnv(depth=bad)
     with pytest.raises(ValueError, match="n_test=200 must leave train goals.*125 goals"):
         T.load_tasks(n_test=200, depth=1)
+
+
+def test_candidate_actions_by_hand():
+    base = {"emerald", "blaze rod"}.__contains__
+    cmds = ["craft 1 emerald block using 9 emerald", "craft 2 blaze powder using 1 blaze rod",
+            "craft 1 brewing stand using 1 blaze rod, 3 stone crafting materials", "not a command"]
+    assert T.candidate_actions(cmds, base) == [
+        "craft 1 brewing stand using 1 blaze rod, 3 stone crafting materials", "craft 1 emerald block using 9 emerald",
+        "craft 2 blaze powder using 1 blaze rod", "get 1 blaze rod", "get 9 emerald", "inventory"]
+    assert T.candidate_actions([], base) == ["inventory"]
+
+
+def test_show_actions_menu_holds_the_expert_plan_and_every_get_works(tmp_path, monkeypatch):
+    from envs.textcraft.env import TextCraftEnv
+    from envs.textcraft.expert import plan
+
+    monkeypatch.setenv("SCALINGINTER_CACHE", str(tmp_path))
+    monkeypatch.setattr(T, "_MEMO", {})
+    env = TextCraftEnv(n_test=64, depth=1, show_actions=True)
+    for idx in [0, 7, 30, 1_000_000, 1_000_031, 1_000_063]:
+        obs, info = env.reset(idx)
+        menu = obs.split("Available actions:\n")[1].split("\n")
+        assert set(plan(info["goal"], {})) <= set(menu) and menu == sorted(menu)
+        for a in (x for x in menu if x.startswith("get ")):
+            env.reset(idx)
+            assert env.step(f"Action: {a}").observation.startswith("Got"), a
+    assert "Available actions" not in TextCraftEnv(n_test=64, depth=1).reset(0)[0]
+    with pytest.raises(ValueError, match="show_actions must be"):
+        TextCraftEnv(show_actions="yes")

