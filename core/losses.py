@@ -5,6 +5,11 @@ micro-batches is exact:
 
 - ``token-mean``: every policy token of the mini-batch weighs 1 / (policy tokens in the mini-batch);
 - ``seq-mean``: every sequence weighs the same: 1 / (sequences * its own policy tokens).
+
+Data parallel: each rank holds a shard of the mini-batch and the engine (DeepSpeed, DDP) averages the ranks'
+gradients. Normalising each shard by its own count would average per-shard means, which is not the mini-batch's
+mean when shards differ; instead every rank sums ``batch_totals`` of its shard over the ranks (an all-reduce) and
+passes the sums to ``sequence_weights`` with ``ranks``, whose factor undoes the engine's averaging.
 """
 
 from __future__ import annotations
@@ -16,17 +21,35 @@ import torch
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean")
 
 
-def sequence_weights(policy_tokens: Sequence[int], mode: str) -> list[float]:
-    """Per-token weight of each sequence of a mini-batch (sequences with no policy token get 0)."""
+def batch_totals(policy_tokens: Sequence[int]) -> tuple[int, int]:
+    """(policy tokens, sequences with a policy token) of a list of sequences: what a rank adds to the all-reduce
+    whose sums ``sequence_weights`` takes as ``totals``."""
+    if any(n < 0 for n in policy_tokens):
+        raise ValueError(f"negative policy-token count in {list(policy_tokens)}")
+    return sum(policy_tokens), sum(1 for n in policy_tokens if n > 0)
+
+
+def sequence_weights(policy_tokens: Sequence[int], mode: str, totals: tuple[int, int] | None = None,
+                     ranks: int = 1) -> list[float]:
+    """Per-token weight of each sequence of a mini-batch (sequences with no policy token get 0).
+
+    With data parallelism ``policy_tokens`` is this rank's shard, ``totals`` the ``batch_totals`` summed over all
+    ranks (the whole mini-batch), and ``ranks`` the number of ranks whose gradients the engine averages: the
+    weights are then ``ranks`` times the whole mini-batch's, so the averaged gradient is the whole mini-batch's
+    token-mean (or seq-mean). Defaults: one rank, ``totals`` of ``policy_tokens`` itself."""
     if mode not in LOSS_AGGREGATIONS:
         raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {LOSS_AGGREGATIONS}")
-    total = sum(policy_tokens)
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    own = batch_totals(policy_tokens)
+    total, seqs = own if totals is None else totals
+    if total < own[0] or seqs < own[1]:
+        raise ValueError(f"totals {totals} over all ranks are smaller than this shard's own {own}")
     if total <= 0:
         raise ValueError("no policy tokens in the mini-batch")
     if mode == "token-mean":
-        return [1.0 / total if n > 0 else 0.0 for n in policy_tokens]
-    seqs = sum(1 for n in policy_tokens if n > 0)
-    return [1.0 / (seqs * n) if n > 0 else 0.0 for n in policy_tokens]
+        return [ranks / total if n > 0 else 0.0 for n in policy_tokens]
+    return [ranks / (seqs * n) if n > 0 else 0.0 for n in policy_tokens]
 
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,11 @@ stage match; otherwise training continues from the HF weights with a fresh optim
 
 One rank runs in-process (``DeepSpeedLearner``). More ranks: ``DeepSpeedRemoteLearner`` launches
 ``torchrun --nproc_per_node N -m tasks.backends.deepspeed_learner`` and drives the ranks over a local socket;
-each rank trains on an equal share of the batch (data parallel; gradients averaged by DeepSpeed).
+each rank trains on an equal share of the batch (data parallel; gradients averaged by DeepSpeed). Each rank also
+prepares (old / reference log-probs, critic values) only its share; the shares are gathered into the whole batch's
+``Prepared``. The loss of every mini-batch is normalised by its policy tokens (or sequences) over all ranks, an
+all-reduce before the backward passes, scaled by the world size to undo DeepSpeed's averaging (``core.losses``): the
+update equals one rank's on the whole batch (``tests/test_multirank.py``).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from typing import Any
 import torch
 
 from core.trajectory import Trajectory
-from tasks.backends.learner import LearnerConfig, Prepared, TorchLearner
+from tasks.backends.learner import LearnerConfig, Prepared, TorchLearner, live_indices, logprob_mismatch
 from tasks.backends.safe_load import load_plain
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -104,6 +108,25 @@ def shard_prepared(p: Prepared, rank: int, world: int) -> Prepared:
                     values=pick(p.values), stats=dict(p.stats))
 
 
+def merge_prepared(shards: list[Prepared]) -> Prepared:
+    """The whole batch's ``Prepared`` from the ranks' shares (each with ``live`` = the batch indices of its rows):
+    rows in batch order. A field is None when no share has rows of it; ``stats`` are left to the caller."""
+    order = sorted((i, r, k) for r, sh in enumerate(shards) for k, i in enumerate(sh.live))
+    if len({i for i, _, _ in order}) != len(order):
+        raise ValueError("the shares of a prepared batch overlap")
+
+    def rows(field: str):
+        have = [sh for sh in shards if sh.live]
+        if all(getattr(sh, field) is None for sh in have):
+            return None
+        if any(getattr(sh, field) is None for sh in have):
+            raise ValueError(f"some shares of the prepared batch lack {field!r}")
+        return [getattr(shards[r], field)[k] for _, r, k in order]
+
+    return Prepared(live=[i for i, _, _ in order], seqs=rows("seqs") or [], old=rows("old"), ref=rows("ref"),
+                    values=rows("values"), final_values=rows("final_values"))
+
+
 def _ensure_dist() -> None:
     import deepspeed
 
@@ -151,6 +174,35 @@ class DeepSpeedLearner(TorchLearner):
     def world_size(self) -> int:
         return torch.distributed.get_world_size()
 
+    # -- data parallel: DeepSpeed averages the ranks' gradients over the world (ZeRO 1-3 alike) -------------
+    def _data_parallel_ranks(self) -> int:
+        return self.world_size
+
+    def _sum_over_ranks(self, values: list[float]) -> list[float]:
+        if self.world_size == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64)
+        backend = torch.distributed.get_backend()
+        if backend == "nccl":
+            t = t.to(self.device)
+        torch.distributed.all_reduce(t)
+        return t.cpu().tolist()
+
+    def prepare(self, trajs: list[Trajectory], old_for_reward: bool = False) -> Prepared:
+        """``TorchLearner.prepare`` with each rank computing only its share (``shard_for_rank``); the shares are
+        gathered, so every rank returns the whole batch's ``Prepared``. Collective."""
+        if self.world_size == 1:
+            return super().prepare(trajs, old_for_reward)
+        mine = shard_for_rank(live_indices(trajs), self.rank, self.world_size)
+        own = super().prepare([trajs[i] for i in mine], old_for_reward)
+        own.live = mine  # every trajectory of the share is live: its rows are the share's, in order
+        shards: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(shards, own)
+        p = merge_prepared(shards)
+        if p.old is not None and p.live:
+            p.stats["logprob_mismatch"] = logprob_mismatch(trajs, p.live, p.old)
+        return p
+
     # -- device handling (GPU: forward on the engine's device, results back on CPU for the loss code) -----
     def _autocast(self):
         if self.cfg.bf16_autocast:
@@ -191,8 +243,9 @@ class DeepSpeedLearner(TorchLearner):
     # -- update over this rank's share ----------------------------------------------------------------------
     def update_shard(self, trajs: list[Trajectory], advantages: list[list[float]], prepared: Prepared | None = None,
                      returns: list[list[float]] | None = None) -> dict[str, float]:
-        """Every rank gets the whole batch (and has prepared it) and trains on its share; a rank one sequence
-        short trains on a zero-weight copy as well, so no episode is dropped and the collectives line up."""
+        """Every rank gets the whole batch (and its gathered ``Prepared``) and trains on its share; a rank one
+        sequence short trains on a zero-weight copy as well, so no episode is dropped and the collectives line up.
+        The loss is normalised over all ranks' shares (``TorchLearner.update`` with the data-parallel hooks)."""
         p = prepared if prepared is not None else self.prepare(trajs)
         if not p.live:
             return {"skipped": 1.0}
@@ -367,7 +420,7 @@ class DeepSpeedRemoteLearner:
         return results[0]
 
     def prepare(self, trajs: list[Trajectory], old_for_reward: bool = False) -> Prepared:
-        return self._call("prepare", trajs, old_for_reward)  # every rank prepares (and keeps) the whole batch
+        return self._call("prepare", trajs, old_for_reward)  # each rank computes its share, all keep the whole
 
     def per_token(self, trajs: list[Trajectory], p: Prepared, which: str) -> list[list[float]]:
         return TorchLearner.per_token(self, trajs, p, which)  # pure over ``p``

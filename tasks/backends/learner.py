@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from core.advantages import pad_rows
-from core.losses import policy_loss, sequence_weights
+from core.losses import batch_totals, policy_loss, sequence_weights
 from core.prefix import plan_shared_prefixes
 from core.trajectory import Trajectory
 from tasks.backends.safe_load import load_plain
@@ -66,6 +66,18 @@ def mismatch_sums(rollout: torch.Tensor, learner: torch.Tensor, mask: torch.Tens
     """Sum of |rollout - learner| log-prob over the policy tokens (``mask``), and their count: the pieces of
     ``logprob_mismatch`` (sampling engine vs learner: kernels, bf16)."""
     return float(((rollout - learner).abs() * mask).sum()), int(mask.sum())
+
+
+def live_indices(trajs: list[Trajectory]) -> list[int]:
+    """Indices of the trajectories that enter the loss: not masked, with at least one policy token."""
+    return [i for i, t in enumerate(trajs) if not t.masked and t.num_policy_tokens > 0]
+
+
+def logprob_mismatch(trajs: list[Trajectory], live: list[int], old: list[list[float]]) -> float:
+    """Mean |rollout - learner| log-prob over the policy tokens of ``trajs[live]`` (``old``: the learner's rows)."""
+    total, n = mismatch_sums(pad_rows([trajs[i].logprobs for i in live]), pad_rows(old),
+                             pad_rows([trajs[i].loss_mask for i in live]))
+    return total / max(1, n)
 
 
 def load_causal_lm(path: str):
@@ -221,7 +233,7 @@ class TorchLearner:
         The old log-probs are computed here only when the update takes several optimizer steps, or when
         ``old_for_reward`` (the estimator puts the KL penalty in the reward and needs them before the
         update); otherwise ``update`` takes them from its own forward pass (see ``single_step``)."""
-        live = [i for i, t in enumerate(trajs) if not t.masked and t.num_policy_tokens > 0]
+        live = live_indices(trajs)
         seqs = [trajs[i].token_ids for i in live]
         p = Prepared(live=live, seqs=seqs)
         if not live:
@@ -230,8 +242,7 @@ class TorchLearner:
         groups = [trajs[i].group_id for i in live]
         if old_for_reward or not self.single_step():
             p.old = self.sequence_logprobs(seqs, masks=masks, groups=groups)
-            total, n = mismatch_sums(pad_rows([trajs[i].logprobs for i in live]), pad_rows(p.old), pad_rows(masks))
-            p.stats["logprob_mismatch"] = total / max(1, n)
+            p.stats["logprob_mismatch"] = logprob_mismatch(trajs, live, p.old)
         p.ref = (self.sequence_logprobs(seqs, reference=True, masks=masks, groups=groups)
                  if self.ref is not None else None)
         if self.critic is not None:
@@ -288,6 +299,7 @@ class TorchLearner:
         grad_norms, critic_norms = [], []
         n_mini = 0
         kl_coef = self.cfg.kl_coef if self.cfg.kl_in_loss else 0.0
+        ranks = self._data_parallel_ranks()
         self.model.train()
         # exactly mini_batches near-equal parts (fewer only when fewer episodes are live than mini-batches)
         n_parts = min(self.cfg.mini_batches, len(live))
@@ -299,8 +311,11 @@ class TorchLearner:
             for m0, m1 in zip(bounds, bounds[1:]):
                 mini = order[m0:m1]
                 n_pol = [trajs[live[k]].num_policy_tokens for k in mini]
-                # (a mini-batch of only zero-weight sharding padding still runs, with weight 0, for the collectives)
-                w_seq = sequence_weights(n_pol, self.cfg.loss_agg) if sum(n_pol) else [0.0] * len(mini)
+                # normalised by the whole mini-batch over all data-parallel ranks (core.losses); a rank's share of
+                # only zero-weight sharding padding still runs, with weight 0, for the collectives
+                totals = tuple(int(x) for x in self._sum_over_ranks(list(batch_totals(n_pol))))
+                w_seq = (sequence_weights(n_pol, self.cfg.loss_agg, totals=totals, ranks=ranks) if totals[0]
+                         else [0.0] * len(mini))
                 self._zero_grad()
                 if self.critic is not None:
                     self.critic.zero_grad()
@@ -335,8 +350,13 @@ class TorchLearner:
                 if self.critic is not None:
                     critic_norms.append(self.critic.step())
                 n_mini += 1
-        for k, v in agg.items():
-            stats[k] = sum(v) / n_mini  # sums over micro-batches of a mini-batch, averaged over mini-batches
+        # sums over micro-batches of a mini-batch, averaged over mini-batches; each rank's sum is ``ranks`` times
+        # its part of the whole mini-batch's (the weights are), so the ranks' mean is the whole mini-batch's
+        keys = sorted(agg)
+        summed = self._sum_over_ranks([sum(agg[k]) / n_mini for k in keys] + [mismatch_sum, mismatch_n, n_tokens])
+        for k, v in zip(keys, summed):
+            stats[k] = v / ranks
+        mismatch_sum, mismatch_n, n_tokens = summed[len(keys):]
         if own_old:
             stats["logprob_mismatch"] = mismatch_sum / max(1, mismatch_n)
         stats["grad_norm"] = sum(grad_norms) / len(grad_norms)
@@ -349,6 +369,14 @@ class TorchLearner:
         return stats
 
     # -- engine hooks (a DeepSpeed learner overrides these) --------------------------------------------------
+    def _data_parallel_ranks(self) -> int:
+        """How many ranks' gradients the engine averages (1: no data parallelism)."""
+        return 1
+
+    def _sum_over_ranks(self, values: list[float]) -> list[float]:
+        """``values`` summed elementwise over the data-parallel ranks (one rank: as they are). Collective."""
+        return list(values)
+
     def _zero_grad(self) -> None:
         self.opt.zero_grad(set_to_none=True)
 

@@ -1,0 +1,204 @@
+"""Two data-parallel ranks update the policy exactly like one rank on the whole batch.
+
+The real ``DeepSpeedLearner`` (ZeRO-2) runs in 2 processes on CPU (torch.multiprocessing spawn, gloo, rendezvous
+at 127.0.0.1 on a free port), on a tiny randomly initialised Llama (hidden 32, 2 layers, vocab 64). The batch's
+two shards have very different policy-token counts (rank 0: 17, rank 1: 37 plus a zero-weight padding copy).
+The optimizer is plain SGD (a DeepSpeed config naming ``torch.optim.SGD``): its step is linear in the gradient,
+so the weights show a wrong normalisation (Adam's first step, ~lr * sign(grad), would hide a scale error).
+
+Reference: ``TorchLearner`` (one process, the whole batch, SGD). Tolerance: weights within 1e-6 (fp32, no
+autocast); the weights move by ~1e-1, and the old per-rank normalisation lands > 1e-3 away (computed here).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+HAS_DS = importlib.util.find_spec("deepspeed") is not None
+pytestmark = pytest.mark.skipif(not HAS_DS, reason="deepspeed not installed")
+
+TOL = 1e-6
+WORLD = 2
+# policy tokens per episode; live episodes are sharded interleaved: rank 0 gets 0, 2, 4 (3 + 5 + 9 = 17 tokens),
+# rank 1 gets 1, 3 (20 + 17 = 37) and a zero-weight copy of episode 1. Episode 5 is masked (never trained on).
+ACTIONS = [[3], [12, 8], [5], [9, 8], [4, 5], [6]]
+
+
+def _batch():
+    import torch
+
+    from core.trajectory import Trajectory
+
+    g = torch.Generator().manual_seed(1)
+
+    def ids(n):
+        return torch.randint(3, 64, (n,), generator=g).tolist()  # 0-2 are special (2 is the pad id)
+
+    trajs, advs = [], []
+    for i, turns in enumerate(ACTIONS):
+        t = Trajectory(task_id=i, group_id=i)
+        t.start(ids(4 + i))
+        for j, n in enumerate(turns):
+            if j:
+                t.add_env(ids(3))
+            t.add_action(ids(n), (-2.0 - torch.rand(n, generator=g)).tolist())  # the rollout's log-probs
+        t.masked = i == 5
+        trajs.append(t)
+        advs.append([(0.5 + 0.3 * i) * (1 if i % 2 else -1) * m for m in t.loss_mask])
+    return trajs, advs
+
+
+CASES = {  # name: (LearnerConfig kwargs, prepare's old_for_reward)
+    "token_mean_one_step": (dict(loss_agg="token-mean", kl_coef=0.05), False),
+    "seq_mean_two_epochs": (dict(loss_agg="seq-mean", kl_coef=0.05, ppo_epochs=2), True),  # old log-probs prepared
+}
+
+
+def _cfg(kw):
+    from tasks.backends.learner import LearnerConfig
+
+    return LearnerConfig(lr=0.5, grad_clip=1e9, micro_batch_size=2, bf16_autocast=False, **kw)
+
+
+def _rank(rank: int, port: int, model_dir: str, ds_config: str, out: str) -> None:
+    """One spawned rank: the real DeepSpeedLearner, prepared and updated as the torchrun workers do."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
+    import torch
+
+    torch.set_num_threads(1)
+    from tasks.backends.deepspeed_learner import DeepSpeedLearner
+
+    results = {}
+    for name, (kw, old_for_reward) in CASES.items():
+        learner = DeepSpeedLearner(model_dir, _cfg(kw), zero_stage=2, config_path=ds_config)
+        trajs, advs = _batch()
+        prep = learner.prepare(trajs, old_for_reward=old_for_reward)
+        stats = learner.update_shard(trajs, advs, prep)
+        results[name] = {"prepared": prep, "stats": stats,
+                         "weights": {k: v.detach().clone() for k, v in learner.model.state_dict().items()}}
+        learner.close()
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from tasks.backends.model import resolve_model
+
+    d = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(d)
+    AutoTokenizer.from_pretrained(resolve_model("smollm2-135m")).save_pretrained(d)  # pad id 2 < 64
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_model, tmp_path_factory):
+    """Both ranks' results per case (rank 0's prepared batch, stats and weights; rank 1's weights)."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from envs.spawn import free_port
+
+    d = tmp_path_factory.mktemp("ranks")
+    ds_config = d / "sgd_zero2.json"
+    ds_config.write_text(json.dumps({"optimizer": {"type": "SGD", "params": {}},
+                                     "zero_optimization": {"stage": 2}, "steps_per_print": 10**9}))
+    mp.spawn(_rank, args=(free_port(), tiny_model, str(ds_config), str(d)), nprocs=WORLD, join=True)
+    return [torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def _one_rank(model_dir, kw, trajs, advs, old_for_reward):
+    import torch
+
+    from tasks.backends.learner import TorchLearner
+
+    learner = TorchLearner(model_dir, _cfg(kw))
+    learner.opt = torch.optim.SGD(learner.model.parameters(), lr=learner.cfg.lr)
+    prep = learner.prepare(trajs, old_for_reward=old_for_reward)
+    stats = learner.update(trajs, advs, prepared=prep)
+    return prep, stats, learner.model.state_dict()
+
+
+def _max_diff(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.slow  # 2 spawned ranks import DeepSpeed and build 2 learners each: minutes on a busy 2-core machine
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_rank_update_equals_one_rank_update(two_ranks, tiny_model, case):
+    from tasks.backends.learner import load_causal_lm
+
+    kw, old_for_reward = CASES[case]
+    trajs, advs = _batch()
+    prep, stats, weights = _one_rank(tiny_model, kw, trajs, advs, old_for_reward)
+    r0, r1 = two_ranks[0][case], two_ranks[1][case]
+    assert _max_diff(r0["weights"], r1["weights"]) == 0.0  # the ranks agree
+    init = load_causal_lm(tiny_model).state_dict()
+    assert _max_diff(weights, init) > 1e-2  # the update did move the weights
+    assert _max_diff(r0["weights"], weights) < TOL
+    for k in ("loss", "pg_loss", "kl", "entropy", "clip_frac", "grad_norm"):  # stats are the whole batch's too
+        assert r0["stats"][k] == pytest.approx(stats[k], rel=1e-5, abs=1e-7), k
+    assert r0["stats"]["sequences_trained"] == 5.0 and r0["stats"]["padded_for_sharding"] == 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_sharded_prepare_gathers_the_whole_batch(two_ranks, tiny_model, case):
+    """Each rank computed only its share of the old / reference log-probs; gathered, they are the whole batch's."""
+    from tasks.backends.learner import TorchLearner
+
+    kw, old_for_reward = CASES[case]
+    trajs, _ = _batch()
+    want = TorchLearner(tiny_model, _cfg(kw)).prepare(trajs, old_for_reward=old_for_reward)
+    for r in range(WORLD):
+        got = two_ranks[r][case]["prepared"]
+        assert got.live == want.live == [0, 1, 2, 3, 4] and got.seqs == want.seqs
+        assert (got.old is None) == (not old_for_reward) == (want.old is None)
+        for field in ("old", "ref"):
+            a, b = getattr(got, field), getattr(want, field)
+            if b is not None:
+                assert max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)) < TOL, field
+        if old_for_reward:
+            assert got.stats["logprob_mismatch"] == pytest.approx(want.stats["logprob_mismatch"], rel=1e-6)
+
+
+def test_per_rank_normalisation_would_fail(tiny_model):
+    """The old behaviour (each rank normalised by its own shard, then the gradients averaged) is, for one SGD
+    step, the mean of the one-rank updates on each shard: far outside the tolerance above."""
+    from tasks.backends.deepspeed_learner import shard_for_rank
+
+    kw, _ = CASES["token_mean_one_step"]
+    trajs, advs = _batch()
+    _, _, whole = _one_rank(tiny_model, kw, trajs, advs, False)
+    live = [0, 1, 2, 3, 4]
+    shards = [shard_for_rank(live, r, WORLD) for r in range(WORLD)]
+    assert [sum(trajs[i].num_policy_tokens for i in s) for s in shards] == [17, 37]
+    per_rank = [_one_rank(tiny_model, kw, [trajs[i] for i in s], [advs[i] for i in s], False)[2] for s in shards]
+    old = {k: (per_rank[0][k] + per_rank[1][k]) / 2 for k in whole}
+    assert _max_diff(old, whole) > 1e-3
+
+
+def test_merge_prepared_puts_the_shares_rows_in_batch_order():
+    from tasks.backends.deepspeed_learner import merge_prepared
+    from tasks.backends.learner import Prepared
+
+    a = Prepared(live=[1, 5], seqs=[[1], [5]], old=[[-1.0], [-5.0]], ref=None, values=None)
+    b = Prepared(live=[3], seqs=[[3]], old=[[-3.0]], ref=None, values=None)
+    empty = Prepared(live=[], seqs=[])  # a rank with no live episode of its own
+    m = merge_prepared([a, b, empty])
+    assert m.live == [1, 3, 5] and m.seqs == [[1], [3], [5]] and m.old == [[-1.0], [-3.0], [-5.0]]
+    assert m.ref is None and m.values is None and m.final_values is None
+    with pytest.raises(ValueError, match="overlap"):
+        merge_prepared([a, a])
+    with pytest.raises(ValueError, match="lack 'old'"):
+        merge_prepared([a, Prepared(live=[3], seqs=[[3]])])
