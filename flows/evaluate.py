@@ -8,7 +8,9 @@ Python API (what ``scalinginter eval``, the training run's before/after and the 
     log_eval(doc, cfg)              # an MLflow run in the experiment "eval" (or run_id=... to log into a run)
     plot_sweep(doc, "sweep.png")    # success vs turn budget with intervals, one line per model
 
-One engine per model: all K x T x n episodes of a model run in one rollout call (``tasks.steps.evaluate_sweep``).
+One engine for all models: all K x T x n episodes of a model run in one rollout call
+(``tasks.steps.evaluate_sweep``), and the next model's weights are loaded into the same engine. Called from the
+training run, the run's engine is reused; called alone, the evaluation starts one and shuts it down at the end.
 The episodes' sampling seeds are keyed by (task, sample) only, so both models of a comparison (and every budget)
 see the same tasks with the same seeds. K = 1 is greedy; K > 1 samples at ``temperature`` (default 1.0).
 
@@ -121,8 +123,8 @@ def _same_tokenizer(dir_a: str, dir_b: str) -> tuple[bool, str]:
 def evaluate_models(config: RunConfig, model_dirs: dict[str, str], task_ids: list[int], turn_limits: list[int],
                     samples: int, temperature: float, max_new_tokens: int, seed: int,
                     episodes_path: str | None = None) -> dict[str, Any]:
-    """Score each model (one engine each) on every task x budget x sample in one rollout call (the first model's
-    episodes also written to ``episodes_path`` as a rollout Parquet when given)."""
+    """Score each model (one engine for all inside ``keep_engines``) on every task x budget x sample in one rollout
+    call (the first model's episodes also written to ``episodes_path`` as a rollout Parquet when given)."""
     from tasks import steps as T
 
     out = {}
@@ -217,8 +219,11 @@ def evaluate(cfg: RunConfig, checkpoint_ref: str, split: str = "test", n: int = 
         header += (f"\nnote: episodes at the largest budgets may end at the token budget "
                    f"(rollout.token_budget={cfg.rollout.token_budget}); raise it with --set rollout.token_budget=N")
     print(header)
-    sweeps = evaluate_models(cfg, model_dirs, ids, turn_limits, samples, float(temperature), max_new, seed,
-                             str(episodes_path) if episodes_path else None)
+    from tasks.backends.vllm_backend import keep_engines
+
+    with keep_engines():  # one engine for both models; an enclosing run's scope keeps it up after this
+        sweeps = evaluate_models(cfg, model_dirs, ids, turn_limits, samples, float(temperature), max_new, seed,
+                                 str(episodes_path) if episodes_path else None)
 
     refs = {"model": checkpoint_ref, "compare": compare_ref}
     models = {}

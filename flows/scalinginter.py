@@ -566,6 +566,9 @@ def scalinginter(config: RunConfig | None = None, env: str = "babyai", preset: s
         print(f"engine, transformers, DeepSpeed, MLflow and Prefect logs: {log_path} (SCALINGINTER_VERBOSE=1 shows "
               "them here)")
     status = "FAILED"
+    from tasks.backends.vllm_backend import keep_engines
+
+    engines = keep_engines().open()  # one vLLM engine for the run: phases and evaluations reuse it
     try:
         before = before_doc = after_doc = None
         if cfg.eval.before:
@@ -609,8 +612,11 @@ def scalinginter(config: RunConfig | None = None, env: str = "babyai", preset: s
         status = "FINISHED"
         return summary
     finally:
-        tracker.end_run(parent, status)
-        restore_console()
+        try:
+            engines.close()  # the run's engine is shut down here
+        finally:
+            tracker.end_run(parent, status)
+            restore_console()
 
 
 def summary_table(summary: dict[str, Any], cfg: RunConfig) -> str:

