@@ -225,3 +225,18 @@ def test_show_actions_menu_holds_the_expert_plan_and_every_get_works(tmp_path, m
     assert "Available actions" not in TextCraftEnv(n_test=64, depth=1).reset(0)[0]
     with pytest.raises(ValueError, match="show_actions must be"):
         TextCraftEnv(show_actions="yes")
+
+
+def test_menu_rule_accepts_exactly_one_menu_action_without_an_action_line():
+    from envs.textcraft.parse import parse_action
+
+    menu = ["craft 4 acacia planks using 1 acacia logs", "get 1 acacia logs", "inventory"]
+    assert parse_action("I will get 1 acacia logs now.", menu).action == "get 1 acacia logs"
+    assert parse_action("To craft 4 acacia planks using 1 acacia logs.", menu).action == \
+        "craft 4 acacia planks using 1 acacia logs"  # the get-like text inside it is consumed, not a 2nd action
+    both = parse_action("craft 4 acacia planks using 1 acacia logs\nget 1 acacia logs\nmore", menu)
+    assert not both.ok and "names 2 actions" in both.error
+    assert parse_action("Action: get 2 acacia logs", menu).action == "get 2 acacia logs"  # rule 1 first
+    assert parse_action("Thought: hmm\nAction: dance", menu).error == "'dance' is not a TextCraft action"
+    assert not parse_action("I will get 1 acacia logs now.").ok  # no menu: the old rules
+    assert not parse_action("get 1 acacia logsx and more\nsecond line", menu).ok  # whole phrases only

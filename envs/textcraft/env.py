@@ -54,6 +54,7 @@ class TextCraftEnv:
             raise ValueError(f"show_actions must be true or false, got {show_actions!r}")
         self.show_actions = show_actions
         self._task: dict[str, Any] | None = None
+        self._actions: list[str] | None = None  # the show_actions menu of the current task
         self._meta: dict[str, Any] = {}
         self._obs = ""
         self._done = False
@@ -90,7 +91,8 @@ class TextCraftEnv:
         self._game.goal = task["goal"]
         self._game.inventory = {}
         self._done = self._success = False
-        self._obs = observation_text(task, self._menu(task) if self.show_actions else None)
+        self._actions = self._menu(task) if self.show_actions else None
+        self._obs = observation_text(task, self._actions)
         elapsed = time.monotonic() - t0
         if elapsed > self.reset_timeout_s:
             raise TimeoutError(f"textcraft reset({data_idx}) took {elapsed:.1f} s > reset_timeout_s="
@@ -105,7 +107,7 @@ class TextCraftEnv:
         if self._done:
             self._obs = "The episode is over."
             return StepResult(self._obs, 0.0, True, False, {**self._info(None), "invalid_action": True})
-        parsed = parse_action(action if isinstance(action, str) else str(action))
+        parsed = parse_action(action if isinstance(action, str) else str(action), self._actions)
         if not parsed.ok:
             self._obs = (f"Invalid action: {parsed.error}. Valid actions look like: {'; '.join(FORMATS)}. "
                          "End your reply with one line 'Action: <action>'.")

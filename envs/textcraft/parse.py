@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from envs.react import default_normalize, extract_action
+from envs.react import action_lines, default_normalize, extract_action
 
 FORMATS = ("get N item", "craft N item using N item, N item, ...", "inventory")
 _ITEM = r"[a-z][a-z0-9' -]*?"
@@ -83,12 +83,42 @@ def canonical(action: str) -> Parsed:
     return Parsed(None, f"'{_clip(a)}' is not a TextCraft action")
 
 
-def parse_action(reply: str) -> Parsed:
-    """The well-formed action a reply asks for, or why there is none."""
+def parse_action(reply: str, menu: list[str] | None = None) -> Parsed:
+    """The well-formed action a reply asks for, or why there is none. With an action ``menu`` (the
+    ``show_actions`` option) a reply without an ``Action:`` line is also accepted when exactly one distinct menu
+    action occurs in it, BabyAI's rule for its list of available actions."""
     ex = extract_action(reply, normalize)
-    if not ex.ok:
-        return Parsed(None, ex.error)
-    return canonical(ex.action)
+    parsed = canonical(ex.action) if ex.ok else Parsed(None, ex.error)
+    if parsed.ok or not menu or not isinstance(reply, str) or action_lines(reply):
+        return parsed
+    found = menu_matches(reply, menu)
+    if len(found) == 1:
+        return canonical(found[0])
+    if len(found) > 1:
+        return Parsed(None, f"one action per turn, but the reply names {len(found)} actions "
+                            f"({', '.join(repr(a) for a in found[:3])})")
+    return parsed
+
+
+def menu_matches(reply: str, menu: list[str]) -> list[str]:
+    """The distinct menu actions that occur in ``reply`` as whole phrases (normalised; longest first, and a
+    match's text is consumed, so 'get 1 oak log' inside a longer match does not count twice)."""
+    text = f" {' '.join(normalize(reply).replace(chr(10), ' ').split())} "
+    found = []
+    for action in sorted({normalize(a) for a in menu}, key=len, reverse=True):
+        needle = f" {action}"
+        pos, hit = text.find(needle), False
+        while pos != -1:
+            end = pos + len(needle)
+            if end == len(text) or not text[end].isalnum():
+                text = text[:pos] + " \x00" + text[end:]
+                hit = True
+                pos = text.find(needle, pos + 2)
+            else:
+                pos = text.find(needle, end)
+        if hit:
+            found.append(action)
+    return found
 
 
 def _clip(s: str, n: int = 60) -> str:
