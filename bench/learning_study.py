@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -36,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 from core.study import ARMS, arm_phases, curve_over_seeds, parse_arms, pooled_successes  # noqa: E402
 
 EVAL_KEYS = ("rollout.backend=", "rollout.vllm", "model.")
+_PREFECT_PREFIX = re.compile(r"^\d\d:\d\d:\d\d\.\d+ \| \w+ *\| (?:Flow|Task) run '[^']*' - ")
 PROGRESS_PREFIXES = ("phase ", "ScalingInter run", "evaluating", "before:", "after:", "held-out", "error")
 
 
@@ -48,7 +50,7 @@ def _run_logged(cmd: list[str], log: Path, label: str) -> float:
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with open(log, "a") as fh:
+    with open(log, "a", buffering=1) as fh:  # line-buffered: the log is readable while the run goes
         fh.write(f"\n$ {' '.join(cmd)}\n")
         fh.flush()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
@@ -56,8 +58,9 @@ def _run_logged(cmd: list[str], log: Path, label: str) -> float:
         assert proc.stdout is not None
         for line in proc.stdout:
             fh.write(line)
-            if line.startswith(PROGRESS_PREFIXES):
-                print(f"  [{label}] {line.rstrip()}", flush=True)
+            text = _PREFECT_PREFIX.sub("", line.rstrip())  # "12:00:00.000 | INFO    | Flow run 'x' - " + our line
+            if text.startswith(PROGRESS_PREFIXES):
+                print(f"  [{label}] {text}", flush=True)
         rc = proc.wait()
     if rc != 0:
         tail = log.read_text(errors="replace").splitlines()[-15:]
