@@ -43,6 +43,16 @@ def _rate(value: float, ci: tuple[float, float], method: str) -> dict[str, Any]:
     return {"value": value, "ci": [ci[0], ci[1]], "method": method}
 
 
+def _task_interval(value: float, per_task: list[float], confidence: float, seed: int) -> dict[str, Any]:
+    """The bootstrap interval over tasks of a K-sample rate, except when every task scored the same 0 or 1: the
+    bootstrap then collapses to a point ([0, 0] after 0 successes in 128 episodes says more than the data do),
+    and the Wilson interval over tasks (each task a 0/1 unit) is given instead."""
+    if per_task and all(v == per_task[0] for v in per_task) and per_task[0] in (0.0, 1.0):
+        wins = len(per_task) if per_task[0] == 1.0 else 0
+        return _rate(value, wilson_interval(wins, len(per_task), confidence), "wilson")
+    return _rate(value, bootstrap_ci(per_task, confidence, seed=seed), "bootstrap")
+
+
 def _cell(tasks: list[dict[str, Any]], samples: int, confidence: float, seed: int) -> dict[str, Any]:
     """Metrics of a group of tasks (all, or one category) at one budget. ``tasks``: per-task records."""
     valid = [t for t in tasks if any(s is not None for s in t["successes"])]
@@ -62,7 +72,7 @@ def _cell(tasks: list[dict[str, Any]], samples: int, confidence: float, seed: in
         wins = sum(1 for v in per_task_avg if v > 0)
         out["avg"] = _rate(avg, wilson_interval(wins, len(valid), confidence), "wilson")
     else:
-        out["avg"] = _rate(avg, bootstrap_ci(per_task_avg, confidence, seed=seed), "bootstrap")
+        out["avg"] = _task_interval(avg, per_task_avg, confidence, seed)
     out["pass"] = {}
     for k in pass_ks(samples):
         vals = []
@@ -75,8 +85,7 @@ def _cell(tasks: list[dict[str, Any]], samples: int, confidence: float, seed: in
             ci = wilson_interval(sum(1 for x in vals if x > 0), len(vals), confidence)
             out["pass"][str(k)] = {**_rate(v, ci, "wilson"), "tasks": len(vals)}
         else:
-            out["pass"][str(k)] = {**_rate(v, bootstrap_ci(vals, confidence, seed=seed), "bootstrap"),
-                                   "tasks": len(vals)}
+            out["pass"][str(k)] = {**_task_interval(v, vals, confidence, seed), "tasks": len(vals)}
     return out
 
 

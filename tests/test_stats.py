@@ -169,3 +169,17 @@ def test_paired_regression_verdict():
     # masked tasks are left out of the pairing
     v = paired_regression([None, 1], [1, 1])
     assert not v.regressed and "paired on 1 tasks" in v.message
+
+
+def test_sampled_rates_with_no_spread_get_a_wilson_interval_not_a_point():
+    """0 successes in 32 tasks x 4 samples: the bootstrap over tasks collapses to [0, 0]; the report gives the
+    Wilson interval over the 32 tasks instead (upper bound 0.107), and the same when every task always succeeds."""
+    for s in (False, True):
+        outs = [Outcome(t, 4, k, s, reward=float(s), turns=4, category="c") for t in range(32) for k in range(4)]
+        cell = model_report(outs, list(range(32)), [4], samples=4)["budgets"]["4"]["overall"]
+        lo, hi = wilson_interval(32 if s else 0, 32)
+        for r in (cell["avg"], cell["pass"]["2"], cell["pass"]["4"]):
+            assert r["method"] == "wilson" and r["ci"] == [pytest.approx(lo), pytest.approx(hi)]
+        assert (hi if not s else 1 - lo) == pytest.approx(0.1072, abs=1e-3)
+    mixed = [Outcome(t, 4, k, k == 0 and t % 2 == 0, reward=0.0, turns=4, category="c") for t in range(8) for k in range(4)]
+    assert model_report(mixed, list(range(8)), [4], samples=4)["budgets"]["4"]["overall"]["avg"]["method"] == "bootstrap"
