@@ -22,6 +22,7 @@ def _hf_folder(d: Path, **config) -> Path:
                                                "transformers_version": "4.0", **config}))
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "transformers_version": "4.0"}))
     (d / "tokenizer.json").write_text('{"vocab": {"a": 0, "b": 1}}')
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "b", "local_files_only": False}))
     return d
 
 
@@ -31,6 +32,11 @@ def test_model_signature_ignores_save_noise_and_sees_architecture_and_tokenizer(
     assert model_signature(_hf_folder(tmp_path / "b", transformers_version="5.1", local_files_only=True,
                                       torch_dtype="float32", _name_or_path="/x")) == a
     assert model_signature(_hf_folder(tmp_path / "c", hidden_size=960)) != a
+    e = _hf_folder(tmp_path / "e")  # a learner's checkpoint writes local_files_only: true (the smoke run's did)
+    (e / "tokenizer_config.json").write_text(json.dumps({"local_files_only": True, "eos_token": "b"}))
+    assert model_signature(e) == a
+    (e / "tokenizer_config.json").write_text(json.dumps({"local_files_only": True, "eos_token": "a"}))
+    assert model_signature(e)["tokenizer"] != a["tokenizer"]
     d = _hf_folder(tmp_path / "d")
     (d / "tokenizer.json").write_text('{"vocab": {"a": 0, "c": 1}}')
     assert model_signature(d)["tokenizer"] != a["tokenizer"] and model_signature(d)["config"] == a["config"]
@@ -144,14 +150,16 @@ def test_two_sessions_and_an_evaluation_start_one_engine(folders, tmp_path):
     V.shutdown_engines()
     starts, reuses = V.HOLDER.starts, V.HOLDER.reuses
     ledger = timing.reset()
+    ckpt = tmp_path / "phase-1-final"
     with V.keep_engines():
         key = T.open_session(cfg, base, train=True)  # a phase: learner + engine
         engine = T.get_session(key).backend
+        T.get_session(key).learner.save(ckpt, {"global_step": 1})  # a real checkpoint folder, as a phase writes
         T.close_session(key)
-        key = T.open_session(cfg, pert, train=True)  # the next phase, from another checkpoint
+        key = T.open_session(cfg, str(ckpt), train=True)  # the next phase, from that checkpoint
         assert T.get_session(key).backend is engine
         T.close_session(key)
-        doc = evaluate(cfg, pert, n=2, turn_limits=[1], max_new_tokens=8)  # an evaluation inside the run
+        doc = evaluate(cfg, str(ckpt), n=2, turn_limits=[1], max_new_tokens=8)  # an evaluation inside the run
         assert doc["models"]["model"]["budgets"]["1"]["overall"]["episodes"] == 2
         assert V.engine_stats()["live"], "the evaluation keeps the run's engine"
     assert (V.HOLDER.starts - starts, V.HOLDER.reuses - reuses) == (1, 2)

@@ -226,6 +226,11 @@ class VLLMBackend:
                           worker_extension_cls=f"{__name__}.WorkerExtension")
             if cpu:
                 kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
+                # no partial prefills: vLLM rewinds a seeded request's generator after a chunked prefill step
+                # (``set_offset``), which CPU generators do not support ("CPU Generator does not use offset": the
+                # engine dies as soon as a batch of sampled episodes' prompts exceeds one step's token budget)
+                kwargs["enable_chunked_prefill"] = False
+                kwargs["max_num_batched_tokens"] = max(8192, max_model_len)
             else:
                 kwargs["gpu_memory_utilization"] = gpu_memory_utilization
             from tasks.console import engine_log_path, redirect_fds
@@ -505,6 +510,9 @@ CONFIG_KEYS_IGNORED = frozenset({"_name_or_path", "transformers_version", "torch
                                  "use_cache", "_commit_hash"})
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model")
+# tokenizer_config.json keys about how it was loaded, not what it encodes (a checkpoint's says local_files_only)
+TOKENIZER_KEYS_IGNORED = frozenset({"local_files_only", "name_or_path", "_name_or_path", "_commit_hash",
+                                    "transformers_version", "tokenizer_file"})
 
 
 def model_signature(model_dir: str | os.PathLike) -> dict[str, Any]:
@@ -520,8 +528,13 @@ def model_signature(model_dir: str | os.PathLike) -> dict[str, Any]:
 
     h = hashlib.sha256()
     for name in TOKENIZER_FILES:
-        if (d / name).exists():
-            h.update(name.encode() + b"\0" + (d / name).read_bytes() + b"\0")
+        if not (d / name).exists():
+            continue
+        data = (d / name).read_bytes()
+        if name == "tokenizer_config.json":
+            data = json.dumps({k: v for k, v in json.loads(data).items() if k not in TOKENIZER_KEYS_IGNORED},
+                              sort_keys=True).encode()
+        h.update(name.encode() + b"\0" + data + b"\0")
     return {"config": config("config.json"), "generation_config": config("generation_config.json"),
             "tokenizer": h.hexdigest()}
 
