@@ -115,6 +115,13 @@ def eval_(
     from flows.evaluate import EvalInputError, evaluate, log_eval, plot_sweep, write_json
     from tasks.checkpoint_store import CheckpointCorrupted, CheckpointStoreError
 
+    import time as _time
+
+    from tasks.console import quiet_console, restore_console
+
+    log_path = quiet_console(Path(cfg.output_dir) / "eval-logs" / _time.strftime("eval-%Y%m%d-%H%M%S"))
+    if log_path is not None:  # engine and library chatter go to a file, our progress lines stay here
+        typer.echo(f"engine, transformers and Prefect logs: {log_path} (SCALINGINTER_VERBOSE=1 shows them here)")
     try:
         doc = evaluate(cfg, checkpoint, split=split, n=n, samples=samples, turn_limits=limits,
                        temperature=temperature, seed=seed, compare_ref=compare_ref,
@@ -126,6 +133,8 @@ def eval_(
               "step checkpoint or final) or copy this one again")
     except CheckpointStoreError as e:
         _fail(f"cannot load checkpoint {e.uri}: {e.reason}")
+    finally:
+        restore_console()
     typer.echo(report_text(doc))
     if json_path:
         typer.echo(f"wrote {write_json(doc, json_path)}")
