@@ -650,7 +650,7 @@ def _load_session_weights(engine: VLLMBackend, model_dir: str, learner) -> tuple
             engine.push_weights(named(), engine.transport)
         else:  # no learner, or one whose weights live in other ranks (it was loaded from this folder)
             engine.load_folder(model_dir)
-    return time.time() - t0, "the learner's (in memory)" if named is not None else str(model_dir)
+    return time.time() - t0, "the learner (in memory)" if named is not None else str(model_dir)
 
 
 def backend_for(cfg, model_dir: str, tokenizer, learner=None) -> VLLMBackend:
