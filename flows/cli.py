@@ -28,7 +28,7 @@ def _fail(msg: str, code: int = 2) -> None:
 @app.command()
 def run(
     env: str = typer.Argument(..., help="Environment name (babyai)."),
-    preset: Optional[str] = typer.Option(None, "--preset", "-p", help="Preset: smoke, tiny, paper."),
+    preset: Optional[str] = typer.Option(None, "--preset", "-p", help="Preset of the env (envs/<env>/presets.py; babyai: smoke, cpu, tiny, paper; textcraft: smoke, easy, paper)."),
     set_: list[str] = typer.Option([], "--set", "-s", help="Override a config value: key.path=value (repeatable)."),
     run_name: Optional[str] = typer.Option(None, "--run-name", help="Run name; the same name resumes a run."),
     print_config: bool = typer.Option(False, "--print-config", help="Print the resolved config and exit."),
