@@ -86,7 +86,7 @@ class CurriculumConfig(_Strict):
 
 class RolloutConfig(_Strict):
     backend: Literal["transformers", "vllm"] = Field(
-        "vllm", description="Generation backend: vllm (its own engine for the phase, ~20 s to start; weights synced "
+        "vllm", description="Generation backend: vllm (one engine kept for the whole run, ~20-30 s to start once; weights synced "
                             "after each update; ~8x transformers' tok/s at 32 episodes on CPU) or transformers "
                             "(shares the learner's model; no start cost, for very short runs).")
     vllm_dtype: Literal["bfloat16", "float32", "float16", "auto"] | None = Field(
