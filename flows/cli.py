@@ -119,9 +119,8 @@ def eval_(
 
     from tasks.console import quiet_console, restore_console
 
+    # engine and library chatter go to a file (named after the report), our progress lines stay on the console
     log_path = quiet_console(Path(cfg.output_dir) / "eval-logs" / _time.strftime("eval-%Y%m%d-%H%M%S"))
-    if log_path is not None:  # engine and library chatter go to a file, our progress lines stay here
-        typer.echo(f"engine, transformers and Prefect logs: {log_path} (SCALINGINTER_VERBOSE=1 shows them here)")
     try:
         doc = evaluate(cfg, checkpoint, split=split, n=n, samples=samples, turn_limits=limits,
                        temperature=temperature, seed=seed, compare_ref=compare_ref,
@@ -136,6 +135,8 @@ def eval_(
     finally:
         restore_console()
     typer.echo(report_text(doc))
+    if log_path is not None:
+        typer.echo(f"engine, transformers and Prefect logs: {log_path} (SCALINGINTER_VERBOSE=1 shows them here)")
     if json_path:
         typer.echo(f"wrote {write_json(doc, json_path)}")
     if png:
