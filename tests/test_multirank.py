@@ -172,6 +172,7 @@ def test_sharded_prepare_gathers_the_whole_batch(two_ranks, tiny_model, case):
             assert got.stats["logprob_mismatch"] == pytest.approx(want.stats["logprob_mismatch"], rel=1e-6)
 
 
+@pytest.mark.slow  # ~20 s of CPU; the pure maths of the same claim is tests/test_losses_norm.py (default tier)
 def test_per_rank_normalisation_would_fail(tiny_model):
     """The old behaviour (each rank normalised by its own shard, then the gradients averaged) is, for one SGD
     step, the mean of the one-rank updates on each shard: far outside the tolerance above."""
