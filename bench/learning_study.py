@@ -214,7 +214,7 @@ def _drop_checkpoints(path: Path) -> None:
 def build_report(a: argparse.Namespace, arms: list[str], phases: list[dict], budgets: list[int],
                  base: dict[str, Any], runs: list[dict[str, Any]], wall: float) -> dict[str, Any]:
     from core.evalreport import flat_metrics
-    from core.stats import mcnemar_exact, paired_bootstrap, wilson_interval
+    from core.stats import mcnemar_exact, wilson_interval
 
     big = max(budgets)
     base_s = per_task_success(base, big)
@@ -249,13 +249,7 @@ def build_report(a: argparse.Namespace, arms: list[str], phases: list[dict], bud
             "pooled_per_task": pooled,
             "per_seed_per_task": per_seed,  # greedy 0/1 per held-out task, per seed (task order of the eval)
         }
-    comparisons = {}
-    if "scalinginter" in arms_out:
-        si = arms_out["scalinginter"]["pooled_per_task"]
-        for arm in arms:
-            if arm != "scalinginter":
-                c = paired_bootstrap(si, arms_out[arm]["pooled_per_task"], seed=0)
-                comparisons[f"scalinginter - {arm}"] = {"diff": c.diff, "ci95": list(c.ci), "p_value": c.p_value}
+    comparisons = arm_comparisons(arms_out)
     return {"env": a.env, "preset": a.preset, "overrides": a.set, "seeds": a.seeds, "eval_n": a.eval_n,
             "budgets": budgets, "experiment": a.experiment, "machine": _machine(),
             "base": {"heldout_success": sum(base_s) / len(base_s), "ci95": list(wilson_interval(int(sum(base_s)), len(base_s))),
@@ -264,13 +258,29 @@ def build_report(a: argparse.Namespace, arms: list[str], phases: list[dict], bud
             "runs": [{k: v for k, v in r.items() if k != "final_eval"} for r in runs]}
 
 
+def arm_comparisons(arms_out: dict[str, Any]) -> dict[str, Any]:
+    """ScalingInter minus every other arm on the same held-out tasks: the paired bootstrap over the per-task
+    success pooled over seeds."""
+    from core.stats import paired_bootstrap
+
+    if "scalinginter" not in arms_out:
+        return {}
+    si = arms_out["scalinginter"]["pooled_per_task"]
+    out = {}
+    for arm, r in arms_out.items():
+        if arm != "scalinginter":
+            c = paired_bootstrap(si, r["pooled_per_task"], seed=0)
+            out[f"scalinginter - {arm}"] = {"diff": c.diff, "ci95": list(c.ci), "p_value": c.p_value}
+    return out
+
+
 def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
     """One report from study reports that differ only in their seeds (same env, preset, held-out tasks and base
     model outcome): pooled success and intervals over every seed's episodes, the paired comparisons on the
     per-task means over all seeds, the sweeps at the budgets every report has (mean over seeds), the curves' points
     with the number of seeds behind each. A report written before ``per_seed_per_task`` existed counts as one seed
     per arm whose per-task outcomes are its ``pooled_per_task``."""
-    from core.stats import paired_bootstrap, wilson_interval
+    from core.stats import wilson_interval
 
     if len(reports) < 2:
         raise SystemExit("--merge needs two or more reports")
@@ -317,16 +327,10 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
             **{key: sum(p[key] * len(p["per_seed_success"]) for p in parts) / seeds
                for key in ("generated_tokens", "wall_time_s", "step_time_s")},
             "curve": merged_curve("curve"), "train_curve": merged_curve("train_curve"),
-            "pooled_per_task": [sum(col) / seeds for col in zip(*per_seed)],
+            "pooled_per_task": pooled_successes(per_seed),
             "per_seed_per_task": per_seed,
         }
-    comparisons = {}
-    if "scalinginter" in arms_out:
-        si = arms_out["scalinginter"]["pooled_per_task"]
-        for arm in arms_out:
-            if arm != "scalinginter":
-                c = paired_bootstrap(si, arms_out[arm]["pooled_per_task"], seed=0)
-                comparisons[f"scalinginter - {arm}"] = {"diff": c.diff, "ci95": list(c.ci), "p_value": c.p_value}
+    comparisons = arm_comparisons(arms_out)
     base = dict(first["base"])
     base["sweep"] = {str(b): first["base"]["sweep"][str(b)] for b in budgets}
     return {"env": first["env"], "preset": first["preset"], "overrides": first["overrides"],
