@@ -28,7 +28,8 @@ def _id(name: str) -> str:
 
 
 def gettable_name(tree, name: str) -> bool:
-    """Whether the game hands out ``name`` (a spelling as in the crafting commands) with ``get``: a base item."""
+    """Whether the game hands out ``name`` (an item id, or its spelling in the crafting commands) with ``get``: a
+    base item."""
     item = _id(name)
     return not tree.is_craftable(item) and not tree.is_tag(item) and tree.is_valid_item(item)
 
@@ -39,8 +40,7 @@ class _Planner:
         self.inv = {_id(k): int(v) for k, v in inventory.items()}
 
     def gettable(self, item: str) -> bool:
-        t = self.t
-        return not t.is_craftable(item) and not t.is_tag(item) and t.is_valid_item(item)
+        return gettable_name(self.t, item)
 
     def resolve(self, name: str, n: int) -> str:
         """A concrete item id for an item-or-tag name."""
