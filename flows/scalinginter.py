@@ -37,6 +37,7 @@ from core.evalreport import compare_models, flat_metrics, format_p
 from tasks import steps as T
 from tasks import timing
 from tasks.console import quiet_console, restore_console
+from tasks.killpoint import kill_point
 from tasks.checkpoint_store import (
     CheckpointCorrupted,
     checkpoint_exists,
@@ -319,6 +320,7 @@ def open_phase(cfg: RunConfig, plan: PhasePlan, init_ref: str) -> tuple[str, Pha
 def finish_phase(cfg: RunConfig, plan: PhasePlan, tracker: Tracker, run_id: str, prog: PhaseProgress,
                  metrics: dict[str, float] | None) -> str:
     """Register the phase's final checkpoint as a model version and publish the phase's artifact."""
+    kill_point("register")  # test hook (tasks.killpoint): a no-op unless $SCALINGINTER_KILL_AT names it
     tracker.set_tag(run_id, "scalinginter.final_checkpoint", plan.final_uri)
     version = tracker.register_checkpoint(cfg.env.name, plan.final_uri, run_id,
                                           plan.registry_tags(cfg, prog.start + prog.done))

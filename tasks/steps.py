@@ -20,7 +20,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -32,6 +32,7 @@ from core.config import RunConfig
 from core.metrics import episode_metrics
 from core.trajectory import Trajectory
 from envs.base import task_index
+from tasks.killpoint import kill_point
 from tasks.timing import timed
 
 TASK_OPTS = dict(cache_policy=NO_CACHE, persist_result=False)
@@ -233,7 +234,8 @@ async def live_cap(clients: list[Any], configured: int | None) -> tuple[list[int
 
 def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, turn_limit: int,
              temperature: float, max_new_tokens: int, label: str,
-             seed: int | None = None, specs: list[Any] | None = None) -> tuple[list[Trajectory], dict[str, float]]:
+             seed: int | None = None, specs: list[Any] | None = None,
+             after_turn: Callable[[int], None] | None = None) -> tuple[list[Trajectory], dict[str, float]]:
     from envs.agentgym import make_async_client
     from tasks.backends.generation import SamplingParams
     from tasks.env_sessions import PooledEpisode, ServerSlots
@@ -268,6 +270,8 @@ def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, tur
             last_print = [time.monotonic()]
 
             def on_round(rnd, live, st):  # the console stays short: see PROGRESS_EVERY_S
+                if after_turn is not None:
+                    after_turn(rnd)
                 now = time.monotonic()
                 if rnd > 1 and (live == 0 or now - last_print[0] < PROGRESS_EVERY_S):
                     return
@@ -298,7 +302,8 @@ def rollout_batch(key: str, urls: list[str], global_step: int, turn_limit: int) 
     r = s.cfg.rollout
     tasks = train_tasks_for_step(s.cfg, global_step)
     trajs, metrics = _rollout(s, urls, tasks, r.samples_per_task, turn_limit, r.temperature, r.max_new_tokens,
-                              f"step {global_step + 1}", seed=s.cfg.seed * 1_000_003 + global_step)
+                              f"step {global_step + 1}", seed=s.cfg.seed * 1_000_003 + global_step,
+                              after_turn=lambda rnd: rnd == 1 and kill_point("rollout"))  # test hook
     for t in trajs:
         t.info["global_step"] = global_step
         t.info["turn_limit"] = turn_limit
@@ -341,6 +346,7 @@ def policy_update(key: str, batch: Batch, adv: Advantages) -> dict[str, float]:
     """One update of the policy (and critic) on ``batch`` with ``adv``; the generation engine gets the new weights."""
     s = get_session(key)
     out = s.learner.update(batch.trajectories, adv.advantages, prepared=adv.prepared, returns=adv.returns)
+    kill_point("update")  # test hook (tasks.killpoint): a no-op unless $SCALINGINTER_KILL_AT names it
     adv.prepared = None  # the old/ref log-probs of this batch are spent; free them before the next rollout
     with timed("weight_sync"):
         s.backend.sync_weights()  # a separate generation engine (vLLM) reloads the new weights; no-op otherwise

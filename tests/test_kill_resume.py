@@ -1,0 +1,284 @@
+"""A real SIGKILL at any point of a step, then a resume, ends where an uninterrupted run ends (issue 18).
+
+The ``tiny`` BabyAI preset (transformers backend) with phases 1 x turn limit 1, then 2 x turn limit 2 (global steps
+1, 2, 3) runs in a subprocess that kills itself (``tasks.killpoint``: ``$SCALINGINTER_KILL_AT``, a real SIGKILL,
+no cleanup code runs) at a point inside a step; the same command then resumes it. Compared with one
+uninterrupted run of the same config (module fixture):
+
+- the final weights of both phases are bit-exact (tests/test_resume.py: on this backend the resumed step samples
+  the same tokens and the update is deterministic), as are the trainer states (global step, phase, phase step,
+  turn limit) and the ``latest`` pointer: the same curriculum position;
+- every global step is in metrics.jsonl once, with the same values (timings aside); the rollout Parquet files
+  are the same files with the same episodes; no temporary files are left;
+- MLflow: the same runs, all FINISHED, every metric of every run at the same steps, each once, with the same
+  values (timings aside); the same trajectory artifacts; one registered model version per phase final;
+- the checkpoint folders hold what the uninterrupted run's hold (no leftover step or half-written checkpoint);
+- the killed trainer leaves no process behind (its env servers watch their parent and stop).
+
+Kill points run one after another on their own output dirs. Wall time (printed with ``-s``): see the report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tasks.killpoint import KILL_ENV
+
+ROOT = Path(__file__).resolve().parents[1]
+NAME = "run"
+PHASES = '[{"turn_limit": 1, "steps": 1}, {"turn_limit": 2, "steps": 2}]'
+COMMON = ["--preset", "tiny", "--set", f"curriculum.phases={PHASES}", "--set", "eval.before=false",
+          "--set", "eval.after=false", "--set", "checkpoint.every_n_steps=1"]
+TIMED = ("time", "_s", "per_s")  # metric keys that measure wall time: the only ones allowed to differ
+
+# kill point -> global steps recorded in metrics.jsonl when the process died (proves where it died)
+KILLS = {
+    "rollout:3": [1, 2],  # phase 2's second step, mid-rollout: resumes from phase 2's step checkpoint
+    "update:2": [1],  # phase 2's first step, optimizer stepped in memory: resumes from phase 1's final
+    "checkpoint:2": [1, 2],  # step 2 recorded, its checkpoint half written: step 2 runs (and is recorded) again
+    "register:2": [1, 2, 3],  # phase 2's final written, not registered: the resume only registers it
+}
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    """Processes the trainer ``pid`` started: its session (it leads one) and env servers spawned with its pid."""
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if p.pid == pid:
+                continue
+            cmd = p.info["cmdline"] or []
+            if os.getsid(p.pid) == pid or any(a == "--parent-pid" and b == str(pid) for a, b in zip(cmd, cmd[1:])):
+                found.append(p)
+        except (psutil.Error, ProcessLookupError, PermissionError):
+            pass
+    return found
+
+
+def run_cli(out: Path, kill_at: str | None = None) -> tuple[int, str, list[str]]:
+    """(return code, console output, processes it left behind after 20 s — killed here) of one run."""
+    exe = Path(sys.executable).with_name("scalinginter")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "flows.cli"]
+    cmd += ["run", "babyai", *COMMON, "--set", f"output_dir={out}", "--run-name", NAME]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for k in (KILL_ENV, "SCALINGINTER_FAULT_AFTER_STEP", "MLFLOW_TRACKING_URI"):
+        env.pop(k, None)
+    if kill_at:
+        env[KILL_ENV] = kill_at
+    log = out / f"console-{kill_at or 'run'}-{time.time_ns()}.log"
+    with open(log, "w") as fh:  # a file, not a pipe: a leftover child holding the pipe cannot hang the test
+        p = subprocess.Popen(cmd, cwd=out, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = p.wait(timeout=1200)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            raise
+    left, deadline = _descendants(p.pid), time.monotonic() + 20  # env servers poll their parent every second
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = [q for q in left if q.is_running() and q.status() != psutil.STATUS_ZOMBIE]
+    names = [" ".join(q.cmdline()[:4]) for q in left if q.is_running()]
+    for q in left:  # ours: do not leave them to the machine
+        try:
+            q.send_signal(signal.SIGKILL)
+        except psutil.Error:
+            pass
+    return rc, log.read_text(), names
+
+
+# --- what a finished run left behind, in comparable form -----------------------------------------------------
+def _is_timed(key: str) -> bool:
+    return any(t in key for t in TIMED)
+
+
+def metric_lines(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / NAME / "metrics.jsonl").read_text().splitlines()]
+
+
+def recorded_steps(out: Path) -> list[int]:
+    path = out / NAME / "metrics.jsonl"
+    return [json.loads(line)["global_step"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def untimed(d: dict) -> dict:
+    return {k: v for k, v in d.items() if not _is_timed(k)}
+
+
+def rollouts(out: Path) -> dict[str, list[tuple]]:
+    cols = ("task_id", "group_id", "token_ids", "loss_mask", "logprobs", "turn_rewards", "reward", "turn_limit",
+            "finish_reason", "advantages")
+    files = sorted((out / NAME / "rollouts").iterdir())
+    return {f.name: [tuple(r[c] for c in cols) for r in pq.read_table(f).to_pylist()] for f in files}
+
+
+def checkpoint_tree(out: Path) -> dict[str, list[str]]:
+    """Every entry (hidden ones too) of the run's checkpoint folder and its phase folders."""
+    root = out / "checkpoints" / NAME
+    tree = {".": sorted(p.name for p in root.iterdir())}
+    for ph in sorted(p for p in root.iterdir() if p.is_dir()):
+        tree[ph.name] = sorted(p.name for p in ph.iterdir())
+    return tree
+
+
+def trainer_state(out: Path, phase: int) -> dict:
+    s = json.loads((out / "checkpoints" / NAME / f"phase-{phase}" / "final" / "trainer_state.json").read_text())
+    return {k: s[k] for k in ("global_step", "phase", "phase_step", "turn_limit", "fingerprint")}
+
+
+def mlflow_record(out: Path) -> dict:
+    """Per run (by name): status, every metric's [(step, value)] in logged order (timings: steps only), the
+    trajectory artifacts, the final-checkpoint tag; and the registered versions (phase, checkpoint under out)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
+    runs = {}
+    for exp in client.search_experiments():
+        for r in client.search_runs([exp.experiment_id]):
+            hist = {}
+            for key in r.data.metrics:
+                h = sorted(client.get_metric_history(r.info.run_id, key), key=lambda m: (m.step, m.timestamp))
+                hist[key] = [(m.step, None if _is_timed(key) else m.value) for m in h]
+            arts = sorted(a.path for a in client.list_artifacts(r.info.run_id, "trajectories"))
+            tag = r.data.tags.get("scalinginter.final_checkpoint")
+            assert r.info.run_name not in runs, f"two MLflow runs named {r.info.run_name}"
+            runs[r.info.run_name] = {"status": r.info.status, "metrics": hist, "artifacts": arts,
+                                     "final_tag": tag and os.path.relpath(tag, out)}
+    versions = sorted((v.tags.get("phase"), os.path.relpath(v.tags["scalinginter.checkpoint_uri"], out),
+                       v.tags.get("global_step"))
+                      for v in client.search_model_versions("name='scalinginter-babyai'"))
+    return {"runs": runs, "versions": versions}
+
+
+def snapshot(out: Path) -> dict:
+    return {"metrics": [untimed(m) for m in metric_lines(out)], "rollouts": rollouts(out),
+            "checkpoints": checkpoint_tree(out), "states": [trainer_state(out, k) for k in (1, 2)],
+            "latest": json.loads((out / "checkpoints" / NAME / "latest").read_text())["relative"],
+            "mlflow": mlflow_record(out), "run_dir": sorted(p.name for p in (out / NAME).iterdir()
+                                                            if p.name != "engine.log")}
+
+
+def weights(out: Path, phase: int) -> dict[str, torch.Tensor]:
+    return load_file(out / "checkpoints" / NAME / f"phase-{phase}" / "final" / "model.safetensors")
+
+
+# --- the test --------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    t0 = time.monotonic()
+    rc, log, left = run_cli(out)
+    assert rc == 0, log[-3000:]
+    assert not left, f"the finished run left processes behind: {left}"
+    print(f"\nuninterrupted run: {time.monotonic() - t0:.0f} s")
+    snap = snapshot(out)
+    assert [m["global_step"] for m in snap["metrics"]] == [1, 2, 3]
+    assert [(s["global_step"], s["phase_step"], s["turn_limit"]) for s in snap["states"]] == [(1, 1, 1), (3, 2, 2)]
+    assert len(snap["mlflow"]["versions"]) == 2
+    return out, snap
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_at", list(KILLS))
+def test_sigkill_inside_a_step_then_resume_equals_an_uninterrupted_run(tmp_path, reference, kill_at):
+    ref_out, ref = reference
+    t0 = time.monotonic()
+    rc, log, left = run_cli(tmp_path, kill_at)
+    t_killed = time.monotonic() - t0
+    assert rc == -signal.SIGKILL, f"expected a SIGKILL at {kill_at}, got exit {rc}:\n{log[-3000:]}"
+    assert f"{KILL_ENV}: SIGKILL at {kill_at}" in log
+    assert not left, f"the killed trainer left processes behind: {left}"
+    assert recorded_steps(tmp_path) == KILLS[kill_at], "killed somewhere else than intended"
+    ck = tmp_path / "checkpoints" / NAME
+    if kill_at.startswith("checkpoint"):  # died with the files written and no manifest: nothing loadable
+        assert not (ck / "phase-2" / "step-000001" / "manifest.json").exists()
+    if kill_at.startswith("register"):
+        assert (ck / "phase-2" / "final" / "manifest.json").exists()
+        assert len(mlflow_record(tmp_path)["versions"]) == 1  # phase 1's only
+
+    t1 = time.monotonic()
+    rc, log, left = run_cli(tmp_path)  # the same command: resume
+    t_resumed = time.monotonic() - t1
+    assert rc == 0, log[-4000:]
+    assert not left, f"the resumed run left processes behind: {left}"
+    print(f"\n{kill_at}: killed after {t_killed:.0f} s, resumed in {t_resumed:.0f} s")
+
+    got = snapshot(tmp_path)
+    for phase in (1, 2):  # bit-exact final weights
+        wa, wb = weights(tmp_path, phase), weights(ref_out, phase)
+        assert wa.keys() == wb.keys()
+        for k in wa:
+            assert torch.equal(wa[k], wb[k]), (phase, k)
+    assert got["states"] == ref["states"]  # curriculum position (and the same config fingerprint)
+    assert got["latest"] == ref["latest"]
+    assert got["metrics"] == ref["metrics"]  # each global step once, same values
+    assert got["rollouts"].keys() == ref["rollouts"].keys()  # no Parquet file twice, none missing, no .tmp
+    for name in ref["rollouts"]:
+        assert got["rollouts"][name] == ref["rollouts"][name], name
+    assert got["run_dir"] == ref["run_dir"]
+    assert got["checkpoints"] == ref["checkpoints"], "leftover or missing checkpoint folders"
+    assert got["mlflow"]["versions"] == ref["mlflow"]["versions"], "registered model versions differ"
+    assert got["mlflow"]["runs"].keys() == ref["mlflow"]["runs"].keys()
+    for run, want in ref["mlflow"]["runs"].items():
+        have = got["mlflow"]["runs"][run]
+        assert have["status"] == want["status"] == "FINISHED", (run, have["status"])
+        assert have["metrics"].keys() == want["metrics"].keys(), run
+        for key in want["metrics"]:
+            assert have["metrics"][key] == want["metrics"][key], (run, key)  # each step once, same value
+        assert have["artifacts"] == want["artifacts"], run
+        assert have["final_tag"] == want["final_tag"], run
+    from tasks.backends.model import resolve_model
+
+    w0 = load_file(Path(resolve_model("smollm2-135m")) / "model.safetensors")
+    wa = weights(tmp_path, 2)
+    assert any(not torch.equal(wa[k], w0[k]) for k in wa)  # training moved the weights: equality is not vacuous
+
+
+# --- the hook's own parsing -------------------------------------------------------------------------------------
+def test_kill_at_parses_points_and_counts_and_refuses_the_rest():
+    from tasks.killpoint import parse_kill_at
+
+    assert parse_kill_at("") is None and parse_kill_at("  ") is None
+    assert parse_kill_at("update") == ("update", 1)
+    assert parse_kill_at(" checkpoint:3 ") == ("checkpoint", 3)
+    for bad, says in (("updat:1", "unknown point"), ("rollout:0", "positive"), ("rollout:x", "positive"),
+                      ("rollout:", "positive")):
+        with pytest.raises(ValueError, match=says):
+            parse_kill_at(bad)
+
+
+def test_kill_point_kills_for_real_at_the_named_arrival_only(tmp_path):
+    code = ("import atexit, sys; from tasks.killpoint import kill_point\n"
+            "atexit.register(lambda: open(sys.argv[1], 'w').write('cleanup ran'))\n"
+            "kill_point('update'); print('first', flush=True); kill_point('update'); print('second', flush=True)")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), KILL_ENV: "update:2"}
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "atexit")], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    assert p.stdout == "first\n" and f"{KILL_ENV}: SIGKILL at update:2" in p.stderr
+    assert not (tmp_path / "atexit").exists()  # a real SIGKILL: no cleanup code ran
+
+
+def test_kill_point_is_a_no_op_unless_named(monkeypatch):
+    from tasks import killpoint
+
+    monkeypatch.delenv(KILL_ENV, raising=False)
+    killpoint.kill_point("update")  # unset: nothing happens
+    monkeypatch.setenv(KILL_ENV, "update:1000")
+    killpoint.kill_point("update")  # another arrival: nothing happens
+    killpoint.kill_point("rollout")
+    monkeypatch.setenv(KILL_ENV, "nowhere")
+    with pytest.raises(ValueError, match="unknown point"):
+        killpoint.kill_point("update")
