@@ -592,6 +592,15 @@ def create_app(
     app.state.host = host
     app.add_middleware(RequestGuard, token=token, max_body_bytes=max_body_bytes)
 
+    _install_error_handlers(app)
+    _install_routes(app, host, max_action_chars)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error reply is ``{"error", "code", ...}`` JSON: our ApiErrors, FastAPI's validation errors (400 for
+    JSON that does not parse, else 422), Starlette's 404/405, and a 500 without exception text for the rest."""
+
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
         return _error(exc.status, exc.code, exc.message, **exc.extra)
@@ -616,6 +625,10 @@ def create_app(
     async def _crash(request: Request, exc: Exception):
         log.exception("unhandled error in %s %s", request.method, request.url.path)
         return _error(500, "internal_error", "internal server error (details in the server log)")
+
+
+def _install_routes(app: FastAPI, host: EnvHost, max_action_chars: int) -> None:
+    """The protocol's endpoints: /health, /create, /reset, /step, /observation, /close over ``host``."""
 
     @app.get("/health")
     async def health():
@@ -654,8 +667,6 @@ def create_app(
     @app.post("/close")
     async def close(body: IdBody):
         return await host.close(body.id)
-
-    return app
 
 
 # --- running it -----------------------------------------------------------------------------------------
