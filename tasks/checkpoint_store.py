@@ -36,6 +36,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -372,6 +373,42 @@ def _rmtree_quiet(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+_TEMP_NAME = re.compile(r"^\..+\.(?:tmp|old)-(\d+)-[0-9a-f]{8}$")  # what _tmp_sibling names
+
+
+def _temp_owner(name: str) -> int | None:
+    """The pid of the process that made the ``_tmp_sibling`` named ``name`` (``.<target>.<tmp|old>-<pid>-<hex>``);
+    None for any other name."""
+    m = _TEMP_NAME.match(name)
+    return int(m.group(1)) if m else None
+
+
+def _remove_dead_temps(folder: Path) -> None:
+    """Delete the temporary siblings in ``folder`` whose process no longer exists. A save killed before its rename
+    (SIGKILL, OOM, power loss) leaves one, as big as the checkpoint; the next save into the folder removes it. A
+    live process's are left alone (a run's checkpoint folders have one writer, on this machine)."""
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return
+    for p in entries:
+        pid = _temp_owner(p.name)
+        if pid is None:
+            continue
+        try:
+            os.kill(pid, 0)
+            continue  # alive (ours, or another live writer)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # alive, another user's
+        if p.is_dir() and not p.is_symlink():
+            _rmtree_quiet(p)
+        else:
+            with contextlib.suppress(OSError):
+                p.unlink()
+
+
 # --------------------------------------------------------------------------- S3 client
 
 
@@ -566,6 +603,7 @@ def _save_local(src: Path, uri: str, *, move: bool, overwrite: bool) -> str:
         )
     t0 = time.perf_counter()
     target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_dead_temps(target.parent)
 
     if target.exists():
         if not (target / MANIFEST_NAME).is_file():

@@ -45,10 +45,10 @@ TIMED = ("time", "_s", "per_s")  # metric keys that measure wall time: the only 
 
 # kill point -> global steps recorded in metrics.jsonl when the process died (proves where it died)
 KILLS = {
+    "register:2": [1, 2, 3],  # phase 2's final written, not registered: the resume only registers it
+    "checkpoint:2": [1, 2],  # step 2 recorded, its checkpoint half written: step 2 runs (and is recorded) again
     "rollout:3": [1, 2],  # phase 2's second step, mid-rollout: resumes from phase 2's step checkpoint
     "update:2": [1],  # phase 2's first step, optimizer stepped in memory: resumes from phase 1's final
-    "checkpoint:2": [1, 2],  # step 2 recorded, its checkpoint half written: step 2 runs (and is recorded) again
-    "register:2": [1, 2, 3],  # phase 2's final written, not registered: the resume only registers it
 }
 
 
@@ -72,7 +72,7 @@ def run_cli(out: Path, kill_at: str | None = None) -> tuple[int, str, list[str]]
     exe = Path(sys.executable).with_name("scalinginter")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "flows.cli"]
     cmd += ["run", "babyai", *COMMON, "--set", f"output_dir={out}", "--run-name", NAME]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300", **os.environ, "PYTHONPATH": str(ROOT)}
     for k in (KILL_ENV, "SCALINGINTER_FAULT_AFTER_STEP", "MLFLOW_TRACKING_URI"):
         env.pop(k, None)
     if kill_at:
@@ -282,3 +282,35 @@ def test_kill_point_is_a_no_op_unless_named(monkeypatch):
     monkeypatch.setenv(KILL_ENV, "nowhere")
     with pytest.raises(ValueError, match="unknown point"):
         killpoint.kill_point("update")
+
+
+def test_a_save_killed_mid_write_leaves_a_temp_folder_that_the_next_save_removes(tmp_path):
+    from tasks.checkpoint_store import checkpoint_exists, save_checkpoint
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(bytes(range(256)) * 64)
+    phase = tmp_path / "ck" / "phase-1"
+    code = "import sys; from tasks.checkpoint_store import save_checkpoint; save_checkpoint(sys.argv[1], sys.argv[2])"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), KILL_ENV: "checkpoint"}
+    p = subprocess.run([sys.executable, "-c", code, str(src), str(phase / "step-000001")], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    left = [q.name for q in phase.iterdir()]
+    assert len(left) == 1 and left[0].startswith(".step-000001.tmp-"), left  # the dead save's
+    assert not checkpoint_exists(str(phase / "step-000001"))
+    live = phase / f".step-000009.tmp-{os.getpid()}-0123abcd"  # a live writer's temp folder is not touched
+    live.mkdir()
+    save_checkpoint(src, str(phase / "step-000002"))
+    assert sorted(q.name for q in phase.iterdir()) == [live.name, "step-000002"]
+
+
+def test_temp_owner_reads_the_pid_of_a_temp_sibling_name():
+    from tasks.checkpoint_store import _temp_owner
+
+    assert _temp_owner(".step-000001.tmp-4242-0123abcd") == 4242
+    assert _temp_owner(".final.old-7-deadbeef") == 7
+    assert _temp_owner(".latest.tmp-12-89abcdef") == 12
+    for name in ("step-000001", ".step-000001.tmp-x-0123abcd", ".final.new-7-deadbeef", ".final.tmp-7-xyz",
+                 ".tmp-7-deadbeef"):
+        assert _temp_owner(name) is None, name
