@@ -17,6 +17,18 @@ over seeds, min-max band) go to ``--results`` (default ``bench/results/``).
 Each training run and evaluation is a subprocess (``scalinginter run`` / ``scalinginter eval``) whose output
 goes to a log file under ``--output-dir``; the console shows our progress lines. Re-running the same command
 resumes: finished runs are skipped (their summary exists), an unfinished one resumes from its checkpoint.
+
+The starting model is the config's ``model.path`` (default: the base SmolLM2): ``--set model.path=DIR`` starts
+every arm from DIR and scores DIR as the "base" row. ``--warmstart-demos N --warmstart-epochs E`` (and
+``--warmstart-lr``) first makes that DIR: ``scalinginter warmstart`` (behaviour cloning on N expert demos of train
+tasks, ``tasks/demos.py``) into ``<output-dir>/warmstart``, reused when it exists with the same settings. The
+report records which model the study started from (``start_model``, with the warm start's record). The two-command
+form is the same thing:
+
+    scalinginter warmstart textcraft --preset easy --demos 61 --epochs 2 --lr 1e-5 --out runs-tc/warm
+    python bench/learning_study.py --env textcraft --preset easy --set model.path=runs-tc/warm --output-dir runs-tc
+
+Use a fresh ``--output-dir`` per starting model: a directory holding another model's study is refused.
 """
 
 from __future__ import annotations
@@ -118,7 +130,12 @@ def evaluate(a: argparse.Namespace, ref: str, label: str, budgets: list[int], en
              max_new_tokens: int) -> dict[str, Any]:
     """``scalinginter eval`` (greedy, every budget in one engine call); its JSON document (flows.evaluate)."""
     out = Path(a.output_dir).resolve() / "evals" / f"{label}.json"
-    if not out.exists():
+    if out.exists():
+        had = json.loads(out.read_text())["models"]["model"].get("ref")
+        if had != ref:
+            raise SystemExit(f"{out} scored {had!r}, not {ref!r}: this output dir holds a study of another starting "
+                             "model; pass a fresh --output-dir")
+    else:
         cmd = _cli() + ["eval", ref, a.env, "--n", str(a.eval_n), "--turn-limits", ",".join(map(str, budgets)),
                         "--max-new-tokens", str(max_new_tokens), "--json", str(out),
                         "--experiment", a.experiment]
@@ -159,6 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-dir", default="runs-study", help="runs, checkpoints, MLflow store and logs")
     ap.add_argument("--experiment", default=None, help="MLflow experiment (default learning-study-<env>)")
     ap.add_argument("--results", default=str(ROOT / "bench" / "results"), help="where the JSON/PNG/table go")
+    ap.add_argument("--warmstart-demos", type=int, default=None,
+                    help="first warm-start the model: behaviour cloning on N expert demos of train tasks "
+                         "(scalinginter warmstart), every arm and the base row start from it")
+    ap.add_argument("--warmstart-epochs", type=int, default=None, help="epochs of the warm start")
+    ap.add_argument("--warmstart-lr", type=float, default=1e-5, help="learning rate of the warm start")
     ap.add_argument("--keep-checkpoints", action="store_true", help="keep the runs' checkpoints (default: delete "
                                                                      "them once scored; ~0.5-1.6 GB each)")
     a = ap.parse_args(argv)
@@ -175,7 +197,18 @@ def main(argv: list[str] | None = None) -> int:
     if a.seeds < 1:
         ap.error("--seeds must be >= 1")
     a.experiment = a.experiment or f"learning-study-{a.env}"
+    a.set = absolute_model_path(a.set)
+    Path(a.output_dir).mkdir(parents=True, exist_ok=True)
+    warm = None
+    if a.warmstart_demos is not None or a.warmstart_epochs is not None:
+        if a.warmstart_demos is None or a.warmstart_epochs is None:
+            ap.error("--warmstart-demos and --warmstart-epochs go together")
+        if a.warmstart_demos < 1 or a.warmstart_epochs < 1:
+            ap.error("--warmstart-demos and --warmstart-epochs must be >= 1")
+        warm = warm_start(a)
+        a.set = [s for s in a.set if not s.startswith("model.path=")] + [f"model.path={warm['dir']}"]
     cfg = preset_config(a.env, a.preset, a.set)
+    start_model = start_model_record(cfg.model.path, warm)
     a.eval_n = a.eval_n or cfg.eval.n
     phases = [p.model_dump() for p in cfg.curriculum.phases]
     mnt = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
@@ -189,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({sum(p['steps'] for p in phases)} steps), held-out n={a.eval_n}, budgets {budgets}; "
           f"MLflow experiment {a.experiment!r} ({os.environ['MLFLOW_TRACKING_URI']}); logs in {a.output_dir}/logs",
           flush=True)
+    print(f"starting model (every arm and the base row): {describe_start(start_model)}", flush=True)
     base = evaluate(a, cfg.model.path, "base", budgets, cfg.env.options, mnt)
     runs = []
     for seed in range(a.first_seed, a.first_seed + a.seeds):
@@ -200,8 +234,69 @@ def main(argv: list[str] | None = None) -> int:
             if not a.keep_checkpoints:
                 _drop_checkpoints(Path(a.output_dir).resolve() / "checkpoints" / r["run_name"])
     report = build_report(a, arms, phases, budgets, base, runs, time.time() - t_start)
+    report["start_model"] = start_model
     write_outputs(a, report)
     return 0
+
+
+def absolute_model_path(overrides: list[str]) -> list[str]:
+    """``model.path=DIR`` with DIR an existing local folder made absolute (the runs are subprocesses in the repo
+    root, so a path relative to the caller's directory would name another folder there)."""
+    out = []
+    for s in overrides:
+        if s.startswith("model.path="):
+            p = Path(s.split("=", 1)[1]).expanduser()
+            if p.exists():
+                s = f"model.path={p.resolve()}"
+        out.append(s)
+    return out
+
+
+def warm_start(a: argparse.Namespace) -> dict[str, Any]:
+    """``scalinginter warmstart`` into ``<output-dir>/warmstart`` (reused when it was made with the same demos,
+    epochs and lr); its record (``warmstart.json``) with the folder as ``dir``."""
+    d = Path(a.output_dir).resolve() / "warmstart"
+    rec_path = d / "warmstart.json"
+    want = {"demos_requested": a.warmstart_demos, "epochs": a.warmstart_epochs, "lr": a.warmstart_lr}
+    if rec_path.exists():
+        rec = json.loads(rec_path.read_text())
+        had = {k: rec.get(k) for k in want}
+        if had != want:
+            raise SystemExit(f"{d} is a warm start with {had}, not {want}: pass a fresh --output-dir")
+        print(f"warm start: reusing {d} ({rec['demos_succeeded']}/{rec['demos_requested']} demos, "
+              f"{rec['epochs']} epoch(s) at lr {rec['lr']:g})", flush=True)
+    else:
+        cmd = _cli() + ["warmstart", a.env, "--preset", a.preset, "--demos", str(a.warmstart_demos),
+                        "--epochs", str(a.warmstart_epochs), "--lr", str(a.warmstart_lr), "--out", str(d)]
+        for s in a.set:
+            cmd += ["--set", s]
+        print(f"warm start: {a.warmstart_demos} expert demos, {a.warmstart_epochs} epoch(s) at lr "
+              f"{a.warmstart_lr:g} -> {d}", flush=True)
+        _run_logged(cmd, Path(a.output_dir).resolve() / "logs" / "warmstart.log", "warmstart")
+        rec = json.loads(rec_path.read_text())
+    return {**rec, "dir": str(d)}
+
+
+def start_model_record(path: str, warm: dict[str, Any] | None) -> dict[str, Any]:
+    """Which model the study started from: the path, and the warm start's record when the folder has one."""
+    rec = warm
+    if rec is None and (Path(path) / "warmstart.json").exists():
+        rec = json.loads((Path(path) / "warmstart.json").read_text())
+    keep = ("source_model", "demos_requested", "demos_succeeded", "epochs", "lr", "batch_size", "epoch_losses",
+            "demo_turn_limit", "env_options")
+    return {"path": path, "warmstart": None if rec is None else {k: rec.get(k) for k in keep}}
+
+
+def describe_start(sm: dict[str, Any] | None) -> str:
+    if not sm:
+        return "the config's model.path (not recorded)"
+    w = sm.get("warmstart")
+    if not w:
+        return sm["path"]
+    losses = w.get("epoch_losses") or [float("nan")]
+    return (f"{sm['path']} (behaviour-cloning warm start of {w['source_model']}: {w['demos_succeeded']}/"
+            f"{w['demos_requested']} expert demos of train tasks, {w['epochs']} epoch(s) at lr {w['lr']:g}, "
+            f"NLL {losses[0]:.3f} -> {losses[-1]:.3f})")
 
 
 def _drop_checkpoints(path: Path) -> None:
@@ -289,6 +384,8 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
         for key in ("env", "preset", "eval_n"):
             if r[key] != first[key]:
                 raise SystemExit(f"--merge: reports differ in {key}: {first[key]!r} vs {r[key]!r}")
+        if (r.get("start_model") or {}).get("path") != (first.get("start_model") or {}).get("path"):
+            raise SystemExit("--merge: the reports started from different models")
         if abs(r["base"]["heldout_success"] - first["base"]["heldout_success"]) > 1e-12:
             raise SystemExit("--merge: the base model scored differently: not the same held-out tasks")
         if list(r["arms"]) != list(first["arms"]):
@@ -335,7 +432,7 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
     base["sweep"] = {str(b): first["base"]["sweep"][str(b)] for b in budgets}
     return {"env": first["env"], "preset": first["preset"], "overrides": first["overrides"],
             "seeds": len(arms_out[next(iter(arms_out))]["per_seed_success"]), "eval_n": first["eval_n"],
-            "budgets": budgets, "experiment": first["experiment"],
+            "budgets": budgets, "experiment": first["experiment"], "start_model": first.get("start_model"),
             "machine": "; ".join(sorted({r["machine"] for r in reports})), "base": base, "arms": arms_out,
             "comparisons": comparisons, "wall_time_s": sum(r["wall_time_s"] for r in reports),
             "runs": [x for r in reports for x in r["runs"]]}
@@ -354,6 +451,7 @@ def table(report: dict[str, Any]) -> str:
     big = max(report["budgets"])
     lines = [f"learning study: {report['env']}, preset {report['preset']}, {report['seeds']} seed(s), "
              f"held-out n={report['eval_n']} at {big} turns (greedy); {report['machine']}",
+             f"starting model: {describe_start(report.get('start_model'))}",
              f"{'arm':<14}{'limits':<12}{'held-out':>10}{'95% CI':>16}{'vs base p (per seed)':>22}{'steps':>7}"
              f"{'tokens':>10}{'step s':>8}{'wall s':>9}",
              f"{'base model':<14}{'-':<12}{report['base']['heldout_success']:>10.3f}"

@@ -135,3 +135,26 @@ def clipped_value_loss(
     stats = {"value_loss": float((loss.detach() * weights).sum()),
              "value_clip_frac": float(((l2 > l1).float() * weights).sum())}
     return (loss * weights).sum(), stats
+
+
+def nll_loss(logp: torch.Tensor, mask: torch.Tensor, denom: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Supervised (behaviour-cloning) loss: the token-mean negative log-likelihood of the masked-in tokens.
+
+    ``logp`` [B, T] is log p(token_t | tokens_<t) of every position (the learner's per-token log-probs), ``mask``
+    [B, T] is 1 on the tokens to imitate (a trajectory's loss mask: the policy's replies) and 0 elsewhere. The sum
+    of -logp over the mask is divided by ``denom``: by default the mask's own token count (the micro-batch's
+    mean); a learner accumulating micro-batches passes the whole batch's token count, so the gradients add up to
+    the batch's token-mean exactly. Returns the loss and ``{"nll": sum / denom, "tokens": masked tokens}``."""
+    if logp.shape != mask.shape:
+        raise ValueError(f"logp {tuple(logp.shape)} and mask {tuple(mask.shape)} differ in shape")
+    m = mask.to(logp.dtype)
+    if bool(((m != 0) & (m != 1)).any()):
+        raise ValueError("mask must hold 0 and 1 only")
+    n = float(m.sum())
+    d = n if denom is None else float(denom)
+    if d <= 0:
+        raise ValueError("no masked-in tokens: the NLL needs at least one token to imitate (denominator <= 0)")
+    if n > d:
+        raise ValueError(f"denominator {d:g} is smaller than the {n:g} masked-in tokens of this micro-batch")
+    total = torch.where(m > 0, -logp, torch.zeros_like(logp)).sum()  # a masked-out -inf stays out
+    return total / d, {"nll": float(total.detach()) / d, "tokens": n}

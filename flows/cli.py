@@ -1,4 +1,5 @@
-"""``scalinginter`` command line: run a curriculum, evaluate a checkpoint, serve an environment."""
+"""``scalinginter`` command line: run a curriculum, evaluate a checkpoint, warm-start a model on expert demos,
+serve an environment."""
 
 from __future__ import annotations
 
@@ -144,6 +145,53 @@ def eval_(
     if track:
         rid = log_eval(doc, cfg, run_id=run_id, experiment=experiment, tracking_uri=tracking_uri)
         typer.echo(f"MLflow run {rid}")
+
+
+@app.command()
+def warmstart(
+    env: str = typer.Argument(..., help="Environment name (one with a scripted expert: envs/<env>/contract.py)."),
+    preset: Optional[str] = typer.Option(None, "--preset", "-p", help="Preset of the env: its env options, model, "
+                                                                       "token caps and turn limits."),
+    set_: list[str] = typer.Option([], "--set", "-s", help="Config override key.path=value (repeatable)."),
+    demos: int = typer.Option(..., "--demos", help="Expert episodes of train tasks to collect (the successful "
+                                                   "ones are imitated)."),
+    epochs: int = typer.Option(..., "--epochs", help="Passes of behaviour cloning over the demos."),
+    lr: float = typer.Option(1e-5, "--lr", help="Learning rate of the supervised updates."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Demos per optimizer step."),
+    turn_limit: Optional[int] = typer.Option(None, "--turn-limit",
+                                             help="Turns per demo episode (default: the curriculum's largest)."),
+    out: Path = typer.Option(..., "--out", help="Where the warm model goes (an HF folder: use it as "
+                                                "--set model.path=DIR or as `scalinginter eval DIR ENV`)."),
+):
+    """Behaviour-cloning warm start: expert demos of train tasks, supervised NLL epochs, an HF model folder."""
+    from envs.base import env_names
+    from flows.config import ConfigError, build_config
+
+    if env not in env_names():
+        _fail(f"unknown environment {env!r}; available: {', '.join(env_names())}")
+    if demos < 1:
+        _fail(f"--demos must be >= 1, got {demos}")
+    if epochs < 1:
+        _fail(f"--epochs must be >= 1, got {epochs}")
+    if not lr > 0:
+        _fail(f"--lr must be > 0, got {lr}")
+    if batch_size < 1:
+        _fail(f"--batch-size must be >= 1, got {batch_size}")
+    if turn_limit is not None and turn_limit < 1:
+        _fail(f"--turn-limit must be >= 1, got {turn_limit}")
+    try:
+        cfg = build_config(env, preset, list(set_))
+    except ConfigError as e:
+        _fail(str(e))
+    from tasks.demos import DemoError, expert_for
+    from tasks.demos import warmstart as run_warmstart
+
+    try:
+        expert_for(env)  # before any model loads
+        run_warmstart(cfg, demos, epochs, lr, out, batch_size=batch_size, turn_limit=turn_limit,
+                      echo=lambda line: typer.echo(line))
+    except DemoError as e:
+        _fail(str(e))
 
 
 @env_app.command("serve")

@@ -8,6 +8,7 @@ Checkpoints are HF folders (world-size independent) plus ``optimizer.pt`` keyed 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import random
 import time
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from core.advantages import pad_rows
-from core.losses import batch_totals, policy_loss, sequence_weights
+from core.losses import batch_totals, nll_loss, policy_loss, sequence_weights
 from core.prefix import plan_shared_prefixes
 from core.trajectory import Trajectory
 from tasks.backends.safe_load import load_plain
@@ -367,6 +368,59 @@ class TorchLearner:
         stats["update_tokens_per_s"] = n_tokens / dt if dt > 0 else 0.0
         stats["update_time_s"] = dt
         return stats
+
+    # -- supervised warm start (behaviour cloning) ----------------------------------------------------------
+    def sft(self, trajs: list[Trajectory], epochs: int, lr: float, batch_size: int = 8, seed: int = 0,
+            on_epoch: Any = None) -> list[float]:
+        """Behaviour cloning: ``epochs`` passes over ``trajs`` (each pass in a fresh seeded order), one optimizer
+        step per ``batch_size`` trajectories at learning rate ``lr``, minimising the token-mean NLL of their
+        loss-masked (policy) tokens (``core.losses.nll_loss``). Micro-batches of ``micro_batch_size`` accumulate
+        exactly (each is divided by its batch's token count), under the same autocast as ``update``; log-probs are
+        the model's own distribution (temperature 1, whatever the rollout's). ``on_epoch(epoch, mean_nll, stats)``
+        is called after every pass. Returns the mean NLL per epoch (token-weighted, measured during the pass)."""
+        if epochs < 1:
+            raise ValueError(f"epochs must be >= 1, got {epochs}")
+        if not lr > 0:
+            raise ValueError(f"lr must be > 0, got {lr}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        live = live_indices(trajs)
+        if not live:
+            raise ValueError("no trajectory to imitate: every one is masked or has no policy token")
+        for g in self.opt.param_groups:
+            g["lr"] = float(lr)
+        saved, self.cfg = self.cfg, dataclasses.replace(self.cfg, temperature=1.0)
+        gen = torch.Generator().manual_seed(int(seed))
+        mb = self.cfg.micro_batch_size
+        losses: list[float] = []
+        self.model.train()
+        try:
+            for epoch in range(epochs):
+                t0 = time.time()
+                order = [live[k] for k in torch.randperm(len(live), generator=gen).tolist()]
+                nll_sum, n_tok, norms = 0.0, 0, []
+                for b0 in range(0, len(order), batch_size):
+                    batch = order[b0:b0 + batch_size]
+                    denom = sum(trajs[i].num_policy_tokens for i in batch)
+                    self._zero_grad()
+                    for s in range(0, len(batch), mb):
+                        idx = batch[s:s + mb]
+                        ids, att = self._pad([trajs[i].token_ids for i in idx])
+                        mask = pad_rows([trajs[i].loss_mask for i in idx], ids.shape[1])
+                        logp, _ = self._token_logp(self.model, ids, att, need=mask.bool())
+                        loss, st = nll_loss(logp, mask, denom)
+                        self._backward(loss)
+                        nll_sum += st["nll"] * denom
+                        n_tok += int(st["tokens"])
+                    norms.append(self._step())
+                losses.append(nll_sum / n_tok)
+                if on_epoch is not None:
+                    on_epoch(epoch + 1, losses[-1], {"tokens": n_tok, "optimizer_steps": len(norms),
+                                                     "grad_norm": sum(norms) / len(norms),
+                                                     "time_s": time.time() - t0})
+        finally:
+            self.cfg = saved
+        return losses
 
     # -- engine hooks (a DeepSpeed learner overrides these) --------------------------------------------------
     def _data_parallel_ranks(self) -> int:
