@@ -331,7 +331,8 @@ def finish_phase(cfg: RunConfig, plan: PhasePlan, tracker: Tracker, run_id: str,
 
 def finished_phase(cfg: RunConfig, plan: PhasePlan, parent_run_id: str | None) -> str:
     """A phase whose final checkpoint exists is skipped; if the earlier run stopped between that checkpoint and
-    its registration, the registration is repaired."""
+    its registration, the registration is repaired and the phase's MLflow run finished (tagged with the final
+    checkpoint), as an uninterrupted run leaves them."""
     state = checkpoint_state(cfg, plan.final_uri)
     check_config(cfg, state, plan.final_uri)
     gstep, done = final_position(plan, state)
@@ -343,6 +344,9 @@ def finished_phase(cfg: RunConfig, plan: PhasePlan, parent_run_id: str | None) -
         if version is not None:
             print(f"phase {plan.phase}: registered {plan.final_uri} as model scalinginter-{cfg.env.name} version "
                   f"{version} (the earlier run stopped before registering it)")
+        if tracker.client.get_run(run_id).info.status != "FINISHED":  # its process died after the final checkpoint
+            tracker.set_tag(run_id, "scalinginter.final_checkpoint", plan.final_uri)
+            tracker.end_run(run_id, "FINISHED")
     _phase_artifact(cfg, plan.phase, done, gstep, None, plan.final_uri, None,
                     note="Skipped: the final checkpoint of this phase exists (resumed run).")
     return plan.final_uri

@@ -314,3 +314,37 @@ def test_temp_owner_reads_the_pid_of_a_temp_sibling_name():
     for name in ("step-000001", ".step-000001.tmp-x-0123abcd", ".final.new-7-deadbeef", ".final.tmp-7-xyz",
                  ".tmp-7-deadbeef"):
         assert _temp_owner(name) is None, name
+
+
+def test_a_phase_killed_before_registration_is_finished_by_the_resume(tmp_path, monkeypatch):
+    """What the resume does for a phase whose final checkpoint exists but whose run died before registering it
+    (the ``register`` kill point), on a real MLflow store: one version registered, and the phase's MLflow run,
+    left RUNNING by the dead process, is FINISHED with its final-checkpoint tag, as an uninterrupted run leaves it."""
+    from mlflow.tracking import MlflowClient
+
+    import tasks.artifacts
+    from flows.config import build_config
+    from flows.scalinginter import PhasePlan, finished_phase, make_tracker, recorded_config
+    from core.fingerprint import fingerprint
+
+    published = []  # the Prefect markdown artifact (a Prefect API call) is recorded, not sent
+    monkeypatch.setattr(tasks.artifacts, "publish_markdown", lambda key, md, desc: published.append(key))
+    cfg = build_config("babyai", "tiny", [f"output_dir={tmp_path}", "run_name=r"])
+    plan = PhasePlan.of(cfg, 2)
+    final = Path(plan.final_uri)
+    final.mkdir(parents=True)
+    (final / "trainer_state.json").write_text(json.dumps({"global_step": 2, "phase": 2, "phase_step": 1,
+                                                          "fingerprint": fingerprint(recorded_config(cfg))}))
+    tracker = make_tracker(cfg)
+    parent = tracker.start_run("r")
+    child = tracker.start_run("r/phase-2", parent_id=parent)  # the dead process's: never ended
+    assert finished_phase(cfg, plan, parent) == plan.final_uri
+    assert finished_phase(cfg, plan, parent) == plan.final_uri  # a second resume changes nothing
+    client = MlflowClient(tracker.uri)
+    run = client.get_run(child)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["scalinginter.final_checkpoint"] == plan.final_uri
+    versions = client.search_model_versions("name='scalinginter-babyai'")
+    assert [(v.tags["phase"], v.tags["scalinginter.checkpoint_uri"], v.tags["global_step"]) for v in versions] == [
+        ("2", plan.final_uri, "2")]
+    assert len(published) == 2
