@@ -42,7 +42,7 @@ NAME = "run"
 PHASES = '[{"turn_limit": 1, "steps": 1}, {"turn_limit": 2, "steps": 2}]'
 COMMON = ["--preset", "tiny", "--set", f"curriculum.phases={PHASES}", "--set", "eval.before=false",
           "--set", "eval.after=false", "--set", "checkpoint.every_n_steps=1"]
-TIMED = ("time", "_s", "per_s")  # metric keys that measure wall time: the only ones allowed to differ
+TIMED = ("time", "_s", "per_s", "idle")  # keys measuring wall time (gen_idle_frac too): the only ones allowed to differ
 
 # kill point -> global steps recorded in metrics.jsonl when the process died (proves where it died)
 KILLS = {
@@ -228,30 +228,39 @@ def test_sigkill_inside_a_step_then_resume_equals_an_uninterrupted_run(tmp_path,
     assert not left, f"the resumed run left env servers behind: {left}"
     print(f"\n{kill_at}: killed after {t_killed:.0f} s, resumed in {t_resumed:.0f} s")
 
-    got = snapshot(tmp_path)
+    got, bad = snapshot(tmp_path), []  # every difference is listed, not only the first
+
+    def check(ok: bool, what: str) -> None:
+        if not ok:
+            bad.append(what)
+
     for phase in (1, 2):  # bit-exact final weights
         wa, wb = weights(tmp_path, phase), weights(ref_out, phase)
-        assert wa.keys() == wb.keys()
-        for k in wa:
-            assert torch.equal(wa[k], wb[k]), (phase, k)
-    assert got["states"] == ref["states"]  # curriculum position (and the same config fingerprint)
-    assert got["latest"] == ref["latest"]
-    assert got["metrics"] == ref["metrics"]  # each global step once, same values
-    assert got["rollouts"].keys() == ref["rollouts"].keys()  # no Parquet file twice, none missing, no .tmp
+        check(wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), f"phase {phase} final weights")
+    check(got["states"] == ref["states"], f"trainer states {got['states']} vs {ref['states']}")  # curriculum position
+    check(got["latest"] == ref["latest"], f"latest {got['latest']} vs {ref['latest']}")
+    check([m["global_step"] for m in got["metrics"]] == [1, 2, 3], f"metrics.jsonl steps {recorded_steps(tmp_path)}")
+    for a, b in zip(got["metrics"], ref["metrics"]):
+        check(a == b, f"metrics.jsonl step {b['global_step']}: "
+                      f"{ {k: (a.get(k), b.get(k)) for k in a.keys() | b.keys() if a.get(k) != b.get(k)} }")
+    check(got["rollouts"].keys() == ref["rollouts"].keys(), f"rollout files {list(got['rollouts'])}")
     for name in ref["rollouts"]:
-        assert got["rollouts"][name] == ref["rollouts"][name], name
-    assert got["run_dir"] == ref["run_dir"]
-    assert got["checkpoints"] == ref["checkpoints"], "leftover or missing checkpoint folders"
-    assert got["mlflow"]["versions"] == ref["mlflow"]["versions"], "registered model versions differ"
-    assert got["mlflow"]["runs"].keys() == ref["mlflow"]["runs"].keys()
+        check(got["rollouts"].get(name) == ref["rollouts"][name], f"rollout {name} episodes")
+    check(got["run_dir"] == ref["run_dir"], f"run dir {got['run_dir']} vs {ref['run_dir']}")
+    check(got["checkpoints"] == ref["checkpoints"], f"checkpoint folders {got['checkpoints']} vs {ref['checkpoints']}")
+    check(got["mlflow"]["versions"] == ref["mlflow"]["versions"],
+          f"registered versions {got['mlflow']['versions']} vs {ref['mlflow']['versions']}")
+    check(got["mlflow"]["runs"].keys() == ref["mlflow"]["runs"].keys(), f"MLflow runs {list(got['mlflow']['runs'])}")
     for run, want in ref["mlflow"]["runs"].items():
-        have = got["mlflow"]["runs"][run]
-        assert have["status"] == want["status"] == "FINISHED", (run, have["status"])
-        assert have["metrics"].keys() == want["metrics"].keys(), run
-        for key in want["metrics"]:
-            assert have["metrics"][key] == want["metrics"][key], (run, key)  # each step once, same value
-        assert have["artifacts"] == want["artifacts"], run
-        assert have["final_tag"] == want["final_tag"], run
+        have = got["mlflow"]["runs"].get(run, {"status": None, "metrics": {}, "artifacts": [], "final_tag": None})
+        check(have["status"] == want["status"] == "FINISHED", f"{run} status {have['status']}")
+        check(have["metrics"].keys() == want["metrics"].keys(), f"{run} metric keys")
+        for key in want["metrics"]:  # each step once, same value
+            check(have["metrics"].get(key) == want["metrics"][key],
+                  f"{run} {key}: {have['metrics'].get(key)} vs {want['metrics'][key]}")
+        check(have["artifacts"] == want["artifacts"], f"{run} artifacts {have['artifacts']}")
+        check(have["final_tag"] == want["final_tag"], f"{run} final tag {have['final_tag']}")
+    assert not bad, "\n".join(bad)
     from tasks.backends.model import resolve_model
 
     w0 = load_file(Path(resolve_model("smollm2-135m")) / "model.safetensors")
