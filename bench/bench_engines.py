@@ -1,11 +1,13 @@
 """Benchmark the engines of issue 8: vLLM vs transformers rollout, torch vs DeepSpeed update, env protocol overhead.
 
     python bench/bench_engines.py [--only rollout|update|env] [--episodes 8,32,64] [--turns 2] [--new-tokens 32]
-                                 [--envs babyai,sciworld] [--transport inproc,http]
+                                 [--envs babyai,sciworld] [--transport inproc,http] [--async] [--lockstep]
 
 rollout: generated tok/s and env steps/s for N concurrent BabyAI (and SciWorld) episodes (the real rollout
   loop; envs in-process and behind a real env server over HTTP), per backend; pure generation tok/s on the same prompts; the fraction of rollout wall time the
-  generator sat idle waiting for envs; a sequential per-episode loop (batch 1) as the baseline.
+  generator sat idle waiting for envs and episode-turns/s, per rollout mode: lock-step rounds and (vLLM) per-episode
+  loops on the engine's continuous batching (--async / --lockstep: only that one; default both); a sequential
+  per-episode loop (batch 1) as the baseline.
 update: GRPO-step tokens/s of the torch and DeepSpeed ZeRO-2 learners (fp32, bf16 autocast) next to a bare
   fp32/bf16 matmul roofline measured in the same run.
 env: per-step latency p50/p99, BabyAI in-process vs over the HTTP server.
@@ -53,7 +55,7 @@ class _HttpEnvs:
 
         self.server = EnvServerProcess(env_name, env_options=ENV_OPTIONS.get(env_name, {}), max_envs=512).start()
 
-    async def run(self, specs, be, chat, params, turns, max_live):
+    async def run(self, specs, be, chat, params, turns, max_live, async_episodes):
         from envs.client import AsyncEnvClient
         from tasks.env_sessions import HttpEpisode
         from tasks.rollout import run_rollout
@@ -61,7 +63,7 @@ class _HttpEnvs:
         client = AsyncEnvClient(self.server.url, timeout_s=120)
         try:
             return await run_rollout(specs, lambda i: HttpEpisode(client), be, chat, params, turns, 2048,
-                                     max_live=max_live)
+                                     max_live=max_live, async_episodes=async_episodes)
         finally:
             await client.aclose()
 
@@ -70,7 +72,8 @@ class _HttpEnvs:
 
 
 def bench_rollout(episodes: list[int], turns: int, new_tokens: int, backends: list[str],
-                  env_names: tuple[str, ...] = ("babyai",), transports: tuple[str, ...] = ("inproc",)) -> list[dict]:
+                  env_names: tuple[str, ...] = ("babyai",), transports: tuple[str, ...] = ("inproc",),
+                  modes: tuple[str, ...] = ("lockstep", "async")) -> list[dict]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -110,21 +113,24 @@ def bench_rollout(episodes: list[int], turns: int, new_tokens: int, backends: li
                         dt = time.time() - t
                         pure = sum(len(g.token_ids) for g in gens) / dt
                         specs = [EpisodeSpec(task_id=i, group_id=i) for i in range(n)]
-                        if http is not None:
-                            trajs, st = asyncio.run(http.run(specs, be, chat, params, turns, max_live))
-                        else:
-                            trajs, st = asyncio.run(run_rollout(specs, local_factory(env_name,
-                                                                                     ENV_OPTIONS.get(env_name, {})),
-                                                                be, chat, params, turns, 2048, max_live=max_live))
-                        idle = 1 - st.gen_time_s / st.wall_time_s if st.wall_time_s else 0.0
-                        row = {"section": "rollout", "backend": name, "env": env_name, "transport": transport,
-                               "episodes": n, "engine_start_s": start_s, "pure_gen_tok_s": pure,
-                               "rollout_tok_s": st.generated_tokens / st.wall_time_s,
-                               "rollout_gen_tok_s": st.tokens_per_s, "env_steps_s_wall": st.env_steps / st.wall_time_s,
-                               "generator_idle_frac": idle, "rollout_vs_pure": (st.generated_tokens / st.wall_time_s) / pure,
-                               "masked": sum(t.masked for t in trajs), "wall_s": st.wall_time_s}
-                        rows.append(row)
-                        print(row, flush=True)
+                        for mode in modes if hasattr(be, "request_engine") else ("lockstep",):
+                            a = mode == "async"
+                            if http is not None:
+                                trajs, st = asyncio.run(http.run(specs, be, chat, params, turns, max_live, a))
+                            else:
+                                trajs, st = asyncio.run(run_rollout(
+                                    specs, local_factory(env_name, ENV_OPTIONS.get(env_name, {})), be, chat, params,
+                                    turns, 2048, max_live=max_live, async_episodes=a))
+                            row = {"section": "rollout", "backend": name, "mode": mode, "env": env_name,
+                                   "transport": transport, "episodes": n, "engine_start_s": start_s,
+                                   "pure_gen_tok_s": pure, "rollout_tok_s": st.generated_tokens / st.wall_time_s,
+                                   "rollout_gen_tok_s": st.tokens_per_s,
+                                   "episode_turns_s": st.env_steps / st.wall_time_s,
+                                   "generator_idle_frac": st.gen_idle_frac,
+                                   "rollout_vs_pure": (st.generated_tokens / st.wall_time_s) / pure,
+                                   "masked": sum(t.masked for t in trajs), "wall_s": st.wall_time_s}
+                            rows.append(row)
+                            print(row, flush=True)
                 finally:
                     if http is not None:
                         http.close()
@@ -134,7 +140,7 @@ def bench_rollout(episodes: list[int], turns: int, new_tokens: int, backends: li
         ntok = 0
         for sp in specs:
             trajs, st = asyncio.run(run_rollout([sp], local_factory("babyai", {"levels": LEVELS}), be, chat, params,
-                                                turns, 2048))
+                                                turns, 2048, async_episodes=False))
             ntok += st.generated_tokens
         rows.append({"section": "rollout", "backend": name, "env": "babyai", "transport": "inproc",
                      "episodes": "4 sequential", "rollout_tok_s": ntok / (time.time() - t)})
@@ -271,6 +277,10 @@ def main() -> None:
     ap.add_argument("--backends", default="vllm,transformers")
     ap.add_argument("--envs", default="babyai", help="rollout envs, e.g. babyai,sciworld")
     ap.add_argument("--transport", default="inproc,http", help="rollout env transport: inproc, http or both")
+    ap.add_argument("--async", dest="async_only", action="store_true",
+                    help="rollout: only the per-episode (async) pass (vLLM); default: async and lock-step")
+    ap.add_argument("--lockstep", dest="lockstep_only", action="store_true",
+                    help="rollout: only the lock-step pass; default: async and lock-step")
     ap.add_argument("--engines", default="torch,deepspeed-zero2")
     ap.add_argument("--update-seqs", type=int, default=8)
     ap.add_argument("--update-len", type=int, default=512)
@@ -281,8 +291,10 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     rows: list[dict] = []
     if a.only in (None, "rollout"):
+        modes = tuple(m for m, only in (("lockstep", a.lockstep_only), ("async", a.async_only))
+                      if only or not (a.async_only or a.lockstep_only))
         rows += bench_rollout([int(x) for x in a.episodes.split(",")], a.turns, a.new_tokens, a.backends.split(","),
-                              tuple(a.envs.split(",")), tuple(a.transport.split(",")))
+                              tuple(a.envs.split(",")), tuple(a.transport.split(",")), modes)
     if a.only in (None, "update"):
         rows += bench_update(a.update_seqs, a.update_len, a.engines.split(","))
     if a.only in (None, "env"):

@@ -109,6 +109,11 @@ class RolloutConfig(_Strict):
     gen_batch_size: int = Field(32, ge=1, description="Max sequences per generate call.")
     env_retries: int = Field(1, ge=0, description="Times an episode masked by an env failure (server died, 5xx, "
                                                   "timeout) is run again, after dead env servers are replaced.")
+    async_episodes: bool = Field(
+        True, description="vLLM: every episode runs as its own loop on the engine's continuous batching (its next "
+                          "turn is submitted as soon as its observation returns) instead of lock-step rounds that "
+                          "wait for the slowest env step; same per-episode seeds and token caps. The transformers "
+                          "backend always runs lock-step.")
     max_live_episodes: int | None = Field(
         None, ge=1, description="Episodes running at once (train and eval); the next start as others end. None: "
                                 "all at once. Set it to what the env servers hold (browser contexts, JVMs) x "

@@ -284,7 +284,7 @@ def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, tur
                 return await asyncio.to_thread(_replace_dead_servers, s)
 
             return await rollout(req, RolloutRuntime(s.backend, s.chat, make, cap, s.cfg.rollout.env_retries, heal,
-                                                     on_round))
+                                                     on_round, s.cfg.rollout.async_episodes))
         finally:
             for c in clients:
                 await c.aclose()

