@@ -158,3 +158,27 @@ def nll_loss(logp: torch.Tensor, mask: torch.Tensor, denom: float | None = None)
         raise ValueError(f"denominator {d:g} is smaller than the {n:g} masked-in tokens of this micro-batch")
     total = torch.where(m > 0, -logp, torch.zeros_like(logp)).sum()  # a masked-out -inf stays out
     return total / d, {"nll": float(total.detach()) / d, "tokens": n}
+
+
+def micro_batches(lengths: Sequence[int], max_seqs: int, max_tokens: int | None = None) -> list[tuple[int, int]]:
+    """Split sequences (kept in order) into consecutive micro-batches ``[start, end)`` of at most ``max_seqs``
+    sequences whose padded size (sequences x the longest) is at most ``max_tokens``; a sequence longer than
+    ``max_tokens`` goes alone. The learner's activation memory grows with the padded size, so a token cap bounds
+    it whatever the turn limit: 4 sequences of 2,048 tokens hold ~10 GB of SmolLM2-135M activations."""
+    if max_seqs < 1:
+        raise ValueError(f"max_seqs must be >= 1, got {max_seqs}")
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1 (or None for no cap), got {max_tokens}")
+    out: list[tuple[int, int]] = []
+    start, longest = 0, 0
+    for i, n in enumerate(lengths):
+        if n < 0:
+            raise ValueError(f"negative sequence length {n} at {i}")
+        grown = max(longest, n)
+        if i > start and (i - start >= max_seqs or (max_tokens is not None and (i - start + 1) * grown > max_tokens)):
+            out.append((start, i))
+            start, grown = i, n
+        longest = grown
+    if len(lengths) > start:
+        out.append((start, len(lengths)))
+    return out

@@ -142,7 +142,8 @@ def open_session(cfg: RunConfig, model_dir: str, train: bool, reference_dir: str
     if train:
         a = cfg.algo
         lc = LearnerConfig(lr=a.lr, weight_decay=a.weight_decay, kl_coef=a.kl_coef, clip=a.clip,
-                           grad_clip=a.grad_clip, micro_batch_size=a.micro_batch_size, mini_batches=a.mini_batches,
+                           grad_clip=a.grad_clip, micro_batch_size=a.micro_batch_size,
+                           micro_batch_tokens=a.micro_batch_tokens, mini_batches=a.mini_batches,
                            ppo_epochs=a.ppo_epochs, bf16_autocast=resolve_bf16(cfg.model.bf16_autocast),
                            temperature=cfg.rollout.temperature, loss_agg=a.loss_agg,
                            kl_in_loss=not get_estimator(a.estimator).kl_in_reward,

@@ -242,3 +242,34 @@ def test_shared_prompt_forward_gives_the_same_logprobs_and_gradients(tiny_model_
     assert all(torch.allclose(ga[k], gb[k], atol=1e-6, rtol=1e-4) for k in ga)
     assert any(ga[k].abs().sum() > 0 for k in ga)
     assert all(abs(x - y) < 1e-5 for r1, r2 in zip(sa, sb) for x, y in zip(r1, r2))
+
+
+def test_token_capped_micro_batches_give_the_same_update(tiny_model_dir):
+    """The loss weights are computed for the whole mini-batch, so cutting it into smaller micro-batches (a cap on
+    padded tokens) changes only the float summation order: the same loss and gradient within float tolerance (the
+    weights after Adam's first step are not compared: it moves every weight by ~lr whatever the gradient's size), and
+    the cap really did cut (pairs instead of one forward of all six)."""
+    from transformers import AutoTokenizer
+
+    trajs, _ = _fixed_batch(AutoTokenizer.from_pretrained(tiny_model_dir))
+    pair = 2 * max(len(t.token_ids) for t in trajs)
+    states, forwards = {}, {}
+    for cap in (None, pair):
+        learner = TorchLearner(tiny_model_dir, LearnerConfig(lr=1e-2, kl_coef=0.0, micro_batch_size=8,
+                                                             micro_batch_tokens=cap, bf16_autocast=False))
+        trajs, advs = _fixed_batch(learner.tokenizer)
+        calls = []
+        real = learner._token_logp
+        learner._token_logp = lambda *a, **k: (calls.append(tuple(a[1].shape)), real(*a, **k))[1]
+        grads = {}
+        real_step = learner._step
+        learner._step = lambda: (grads.update({k: p.grad.clone() for k, p in learner.model.named_parameters()}),
+                                 real_step())[1]
+        st = learner.update(trajs, advs, prepared=learner.prepare(trajs))
+        states[cap], forwards[cap] = (grads, st), calls
+    assert [b for b, _ in forwards[None]] == [6] and [b for b, _ in forwards[pair]] == [2, 2, 2]
+    assert all(b * t <= pair for b, t in forwards[pair])
+    (ga, sa), (gb, sb) = states[None], states[pair]
+    assert sa["loss"] == pytest.approx(sb["loss"], rel=1e-5, abs=1e-7)
+    assert any(ga[k].abs().sum() > 0 for k in ga)
+    assert all(torch.allclose(ga[k], gb[k], atol=1e-7, rtol=1e-4) for k in ga)  # the gradient the optimizer steps on

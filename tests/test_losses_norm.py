@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from core.losses import batch_totals, sequence_weights
+from core.losses import batch_totals, micro_batches, sequence_weights
 
 SHARDS = [[[2.0], [1.0, 1.0, 7.0], []], [[3.0, 7.0]]]  # per rank, per sequence, per policy token
 
@@ -63,3 +63,20 @@ def test_bad_totals_and_ranks_are_refused():
         sequence_weights([1], "token-mean", ranks=0)
     with pytest.raises(ValueError, match="no policy tokens"):
         sequence_weights([0], "token-mean", totals=(0, 0), ranks=2)
+
+
+def test_micro_batches_by_count_and_padded_tokens():
+    # count only: 4 at a time, in order
+    assert micro_batches([5] * 10, 4) == [(0, 4), (4, 8), (8, 10)]
+    # padded size = sequences x the longest: 100+300 -> 2x300 = 600 <= 700; adding 200 -> 3x300 = 900 > 700
+    assert micro_batches([100, 300, 200, 50], 4, 700) == [(0, 2), (2, 4)]
+    # a sequence longer than the cap goes alone; the next starts a new micro-batch
+    assert micro_batches([10, 2000, 10, 10], 4, 1000) == [(0, 1), (1, 2), (2, 4)]
+    # the cap binds before the count: 4 x 2048 padded is 8192 > 4096 -> pairs
+    assert micro_batches([2048, 1500, 2048, 900], 4, 4096) == [(0, 2), (2, 4)]
+    assert micro_batches([], 4, 100) == []
+    with pytest.raises(ValueError):
+        micro_batches([1], 0)
+    with pytest.raises(ValueError):
+        micro_batches([1], 2, 0)
+

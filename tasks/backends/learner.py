@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from core.advantages import pad_rows
-from core.losses import batch_totals, nll_loss, policy_loss, sequence_weights
+from core.losses import batch_totals, micro_batches, nll_loss, policy_loss, sequence_weights
 from core.prefix import plan_shared_prefixes
 from core.trajectory import Trajectory
 from tasks.backends.safe_load import load_plain
@@ -33,6 +33,7 @@ class LearnerConfig:
     clip: float = 0.2
     grad_clip: float = 1.0
     micro_batch_size: int = 4
+    micro_batch_tokens: int | None = None  # padded tokens per forward/backward (core.losses.micro_batches)
     mini_batches: int = 1
     ppo_epochs: int = 1
     bf16_autocast: bool = True
@@ -211,14 +212,18 @@ class TorchLearner:
         ``groups`` too, rows of a group share their prompt's forward pass."""
         model = self.ref if reference else self.model
         out: list[list[float]] = []
-        mb = self.cfg.micro_batch_size
-        for s in range(0, len(seqs), mb):
-            chunk = seqs[s:s + mb]
+        for s, e in self._micro([len(x) for x in seqs]):
+            chunk = seqs[s:e]
             ids, att = self._pad(chunk)
-            need = pad_rows(masks[s:s + mb], ids.shape[1]).bool() if masks is not None else None
-            logp, _ = self._token_logp(model, ids, att, need=need, groups=groups[s:s + mb] if groups else None)
+            need = pad_rows(masks[s:e], ids.shape[1]).bool() if masks is not None else None
+            logp, _ = self._token_logp(model, ids, att, need=need, groups=groups[s:e] if groups else None)
             out += [logp[r, : len(c)].tolist() for r, c in enumerate(chunk)]
         return out
+
+    def _micro(self, lengths: list[int]) -> list[tuple[int, int]]:
+        """Consecutive micro-batches over sequences of these lengths: ``micro_batch_size`` sequences at most, and
+        ``micro_batch_tokens`` padded tokens at most (a longer sequence alone)."""
+        return micro_batches(lengths, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens)
 
     # -- update -----------------------------------------------------------------------------------------
     def single_step(self) -> bool:
@@ -295,7 +300,6 @@ class TorchLearner:
         t0 = time.time()
         stats: dict[str, float] = dict(p.stats)
         agg: dict[str, list[float]] = {}
-        mb = self.cfg.micro_batch_size
         n_tokens = 0
         grad_norms, critic_norms = [], []
         n_mini = 0
@@ -320,8 +324,8 @@ class TorchLearner:
                 self._zero_grad()
                 if self.critic is not None:
                     self.critic.zero_grad()
-                for s in range(0, len(mini), mb):
-                    ks = mini[s:s + mb]
+                for s, e in self._micro([len(seqs[k]) for k in mini]):
+                    ks = mini[s:e]
                     ids, att = self._pad([seqs[k] for k in ks])
                     T = ids.shape[1]
                     mask = pad_rows([trajs[live[k]].loss_mask for k in ks], T)
@@ -391,7 +395,6 @@ class TorchLearner:
             g["lr"] = float(lr)
         saved, self.cfg = self.cfg, dataclasses.replace(self.cfg, temperature=1.0)
         gen = torch.Generator().manual_seed(int(seed))
-        mb = self.cfg.micro_batch_size
         losses: list[float] = []
         self.model.train()
         try:
@@ -403,8 +406,8 @@ class TorchLearner:
                     batch = order[b0:b0 + batch_size]
                     denom = sum(trajs[i].num_policy_tokens for i in batch)
                     self._zero_grad()
-                    for s in range(0, len(batch), mb):
-                        idx = batch[s:s + mb]
+                    for s, e in self._micro([len(trajs[i].token_ids) for i in batch]):
+                        idx = batch[s:e]
                         ids, att = self._pad([trajs[i].token_ids for i in idx])
                         mask = pad_rows([trajs[i].loss_mask for i in idx], ids.shape[1])
                         logp, _ = self._token_logp(self.model, ids, att, need=mask.bool())
