@@ -7,7 +7,8 @@ call is a no-op. One line naming the point goes to file descriptor 2 first, so a
 Points (in a fresh run with ``checkpoint.every_n_steps=1``, the n-th arrival is global step n, or phase n for
 ``register``):
 
-- ``rollout``: a training step's rollout, after its first turn was generated and stepped (episodes half done);
+- ``rollout``: a training step's rollout, at its first progress report (a turn of an episode generated and
+  stepped), before the step's batch exists;
 - ``update``: the policy update, after the optimizer step, before the generation engine gets the new weights;
 - ``checkpoint``: a local checkpoint save, its files in the temporary directory, no manifest written yet;
 - ``register``: a phase's final checkpoint and the run's ``latest`` pointer written, the model version not yet

@@ -302,9 +302,16 @@ def rollout_batch(key: str, urls: list[str], global_step: int, turn_limit: int) 
     s = get_session(key)
     r = s.cfg.rollout
     tasks = train_tasks_for_step(s.cfg, global_step)
+    reported: list[int] = []
+
+    def after_turn(rnd: int) -> None:  # test hook (tasks.killpoint): one arrival per step, at its first progress report
+        if not reported:
+            reported.append(rnd)
+            kill_point("rollout")
+
     trajs, metrics = _rollout(s, urls, tasks, r.samples_per_task, turn_limit, r.temperature, r.max_new_tokens,
                               f"step {global_step + 1}", seed=s.cfg.seed * 1_000_003 + global_step,
-                              after_turn=lambda rnd: rnd == 1 and kill_point("rollout"))  # test hook
+                              after_turn=after_turn)
     for t in trajs:
         t.info["global_step"] = global_step
         t.info["turn_limit"] = turn_limit
