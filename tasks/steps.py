@@ -277,8 +277,10 @@ def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, tur
                 if rnd > 1 and (live == 0 or now - last_print[0] < PROGRESS_EVERY_S):
                     return
                 last_print[0] = now
-                wait = f", {st.waiting} waiting for env capacity (at most {st.live_cap} live)" if st.waiting else ""
-                print(f"  [{label}] turn {rnd}/{turn_limit}: {live} episodes still running{wait}, "
+                # episodes, not turns: with a live cap (or per-episode async turns) the rounds outnumber the turn limit
+                wait = f" ({st.waiting} waiting for env capacity, at most {st.live_cap} live)" if st.waiting else ""
+                first = "first turn: " if rnd == 1 else ""
+                print(f"  [{label}] {first}{len(specs) - live}/{len(specs)} episodes done, {live} to go{wait}, "
                       f"{st.generated_tokens} tokens generated ({st.tokens_per_s:.0f} tok/s)", flush=True)
 
             async def heal() -> int:  # a dead server is replaced on its port; its masked episodes run again

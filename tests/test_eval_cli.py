@@ -87,8 +87,9 @@ def test_eval_samples_budgets_compare(tmp_path):
         assert [t["successes"] for t in a] == [t["successes"] for t in b]
         c = doc["comparison"]["budgets"][key]["overall"]
         assert c["test"] == "paired_bootstrap" and c["diff"] == 0 and c["p_value"] == 1.0 and c["tasks"] == 3
-    # one rollout call per model for all 4 x 2 x 3 episodes: one "turn 1/4" progress line each
-    assert log.count("[eval] turn 1/4:") == 2, log[-3000:]
+    # one rollout call per model for all 4 x 2 x 3 episodes: one first-turn progress line each
+    assert log.count("[eval] first turn: ") == 2, log[-3000:]
+    assert "/24 episodes done" in log
     png = (out / "eval.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     # MLflow: an eval run with the sweep at step = turn budget and the document as artifact
