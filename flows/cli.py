@@ -48,8 +48,13 @@ def run(
     if print_config:
         typer.echo(cfg.model_dump_json(indent=2))
         return
-    from flows.scalinginter import scalinginter
+    from flows.scalinginter import check_run_resume, scalinginter
 
+    if cfg.run_name and not cfg.checkpoint.s3_block:  # (an S3 block's settings are applied inside the flow)
+        try:  # a resume the checkpoint's config refuses: one clear message here, not a flow traceback
+            check_run_resume(cfg)
+        except ConfigError as e:
+            _fail(str(e))
     summary = scalinginter(config=cfg)
     if summary is None:
         raise typer.Exit(1)

@@ -173,15 +173,18 @@ def tiny_model(tmp_path_factory):
     return d
 
 
+def _overrides(out, model, *extra):
+    return [f"model.path={model}", "rollout.backend=transformers", f"output_dir={out}", "run_name=r",
+            'curriculum.phases=[{"turn_limit": 1, "steps": 4}]', "checkpoint.every_n_steps=2",
+            "rollout.tasks_per_step=2", "rollout.samples_per_task=2", "rollout.max_new_tokens=6",
+            "rollout.token_budget=256", "env.task_pool=100", "eval.before=false", "eval.after=false",
+            "tracking.log_trajectories=0", *extra]
+
+
 def _config(out, model, *extra):
     from flows.config import build_config
 
-    return build_config("toy", None, [
-        f"model.path={model}", "rollout.backend=transformers", f"output_dir={out}", "run_name=r",
-        'curriculum.phases=[{"turn_limit": 1, "steps": 4}]', "checkpoint.every_n_steps=2",
-        "rollout.tasks_per_step=2", "rollout.samples_per_task=2", "rollout.max_new_tokens=6",
-        "rollout.token_budget=256", "env.task_pool=100", "eval.before=false", "eval.after=false",
-        "tracking.log_trajectories=0", *extra])
+    return build_config("toy", None, _overrides(out, model, *extra))
 
 
 def _steps(out):
@@ -210,6 +213,18 @@ def test_resumed_run_records_each_step_once_and_checks_its_config(tmp_path, tiny
     assert _steps(tmp_path) == [1, 2, 3]  # refused before anything was written
     with pytest.raises(ResumeMismatch, match="step-000002"):  # the phase's own check, before the model loads
         open_phase(changed, PhasePlan.of(changed, 1), str(tiny_model))
+    # the CLI: the same refusal as one error message (exit code 2), no flow traceback
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    res = CliRunner().invoke(app, ["run", "toy"] + [a for o in _overrides(tmp_path, tiny_model, "algo.lr=1e-3")
+                                                    for a in ("--set", o)])
+    assert res.exit_code == 2, res.output  # a config error, as for any other refused config
+    out = res.output + (res.stderr if res.stderr_bytes is not None else "")
+    assert "error: run 'r' cannot resume" in out and "algo.lr: 1e-06 -> 0.001" in out, out
+    assert "Traceback" not in out and "Flow run" not in out
+    assert _steps(tmp_path) == [1, 2, 3]
 
     allowed = _config(tmp_path, tiny_model, "algo.lr=1e-3", "resume.allow_changes=[algo.lr]")
     summary = scalinginter(config=allowed)
