@@ -14,7 +14,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -80,6 +80,36 @@ def logprob_mismatch(trajs: list[Trajectory], live: list[int], old: list[list[fl
     total, n = mismatch_sums(pad_rows([trajs[i].logprobs for i in live]), pad_rows(old),
                              pad_rows([trajs[i].loss_mask for i in live]))
     return total / max(1, n)
+
+
+@dataclass
+class _UpdateBatch:
+    """What one ``update`` trains on: the batch (``trajs`` and the per-token ``advantages`` / critic ``returns``
+    aligned with them) and its ``prepared`` rows, addressed by position ``k`` in ``prepared.live``; whether the old
+    log-probs are the training forward's own (``own_old``), and the KL coefficient of the loss."""
+
+    trajs: list[Trajectory]
+    advantages: list[list[float]]
+    returns: list[list[float]] | None
+    prepared: Prepared
+    own_old: bool
+    kl_coef: float
+
+    def traj(self, k: int) -> Trajectory:
+        return self.trajs[self.prepared.live[k]]
+
+
+@dataclass
+class _UpdateTally:
+    """What an update accumulates: per-micro-batch stats, the log-prob mismatch's pieces, the tokens it ran, and
+    one gradient norm per optimizer step (policy, and critic when there is one)."""
+
+    agg: dict[str, list[float]] = field(default_factory=dict)
+    mismatch_sum: float = 0.0
+    mismatch_n: int = 0
+    n_tokens: int = 0
+    grad_norms: list[float] = field(default_factory=list)
+    critic_norms: list[float] = field(default_factory=list)
 
 
 def load_causal_lm(path: str):
@@ -288,85 +318,108 @@ class TorchLearner:
         """One training step over the batch. ``advantages[i]`` (and the critic targets ``returns[i]``) are per
         token of ``trajs[i]``. PPO epochs and mini-batches are honoured as configured."""
         p = prepared if prepared is not None else self.prepare(trajs)
-        live, seqs = p.live, p.seqs
-        if not live:
+        if not p.live:
             return {"skipped": 1.0}
         if self.critic is not None and returns is None:
             raise ValueError("this learner has a critic: pass the estimator's returns to update()")
         own_old = p.old is None  # single-step update: old log-probs = this forward's, detached
         if own_old and not self.single_step():
             raise ValueError("an update of several optimizer steps needs prepared old log-probs")
-        mismatch_sum, mismatch_n = 0.0, 0
         t0 = time.time()
-        stats: dict[str, float] = dict(p.stats)
-        agg: dict[str, list[float]] = {}
-        n_tokens = 0
-        grad_norms, critic_norms = [], []
-        n_mini = 0
-        kl_coef = self.cfg.kl_coef if self.cfg.kl_in_loss else 0.0
-        ranks = self._data_parallel_ranks()
+        batch = _UpdateBatch(trajs, advantages, returns, p, own_old,
+                             self.cfg.kl_coef if self.cfg.kl_in_loss else 0.0)
+        tally = _UpdateTally()
         self.model.train()
-        # exactly mini_batches near-equal parts (fewer only when fewer episodes are live than mini-batches)
-        n_parts = min(self.cfg.mini_batches, len(live))
-        bounds = [j * len(live) // n_parts for j in range(n_parts + 1)]
+        for mini in self._mini_batches(len(p.live)):
+            self._train_mini_batch(batch, mini, tally)
+        return self._update_stats(batch, tally, t0)
+
+    def _mini_batches(self, n_live: int) -> Iterator[list[int]]:
+        """The update's mini-batches (positions in ``Prepared.live``), epoch after epoch: exactly ``mini_batches``
+        near-equal parts (fewer only when fewer episodes are live than mini-batches). With several, each epoch
+        splits a fresh permutation, drawn when the epoch starts (lazily, so the torch RNG is consumed in the same
+        order as the training forwards; it is checkpointed, so resume is exact)."""
+        n_parts = min(self.cfg.mini_batches, n_live)
+        bounds = [j * n_live // n_parts for j in range(n_parts + 1)]
         for _epoch in range(self.cfg.ppo_epochs):
-            order = list(range(len(live)))
-            if self.cfg.mini_batches > 1:  # a fresh split per epoch (torch RNG: checkpointed, so resume is exact)
-                order = torch.randperm(len(live)).tolist()
+            order = list(range(n_live))
+            if self.cfg.mini_batches > 1:
+                order = torch.randperm(n_live).tolist()
             for m0, m1 in zip(bounds, bounds[1:]):
-                mini = order[m0:m1]
-                n_pol = [trajs[live[k]].num_policy_tokens for k in mini]
-                # normalised by the whole mini-batch over all data-parallel ranks (core.losses); a rank's share of
-                # only zero-weight sharding padding still runs, with weight 0, for the collectives
-                totals = tuple(int(x) for x in self._sum_over_ranks(list(batch_totals(n_pol))))
-                w_seq = (sequence_weights(n_pol, self.cfg.loss_agg, totals=totals, ranks=ranks) if totals[0]
-                         else [0.0] * len(mini))
-                self._zero_grad()
-                if self.critic is not None:
-                    self.critic.zero_grad()
-                for s, e in self._micro([len(seqs[k]) for k in mini]):
-                    ks = mini[s:e]
-                    ids, att = self._pad([seqs[k] for k in ks])
-                    T = ids.shape[1]
-                    mask = pad_rows([trajs[live[k]].loss_mask for k in ks], T)
-                    weights = mask * torch.tensor([w_seq[s + r] for r in range(len(ks))])[:, None]
-                    adv = pad_rows([advantages[live[k]] for k in ks], T)
-                    ref_t = pad_rows([p.ref[k] for k in ks], T) if p.ref is not None and kl_coef else None
-                    logp, ent = self._token_logp(self.model, ids, att, with_entropy=True, need=mask.bool(),
-                                                 groups=[trajs[live[k]].group_id for k in ks])
-                    if own_old:
-                        old_t = logp.detach()
-                        total, n = mismatch_sums(pad_rows([trajs[live[k]].logprobs for k in ks], T), old_t, mask)
-                        mismatch_sum, mismatch_n = mismatch_sum + total, mismatch_n + n
-                    else:
-                        old_t = pad_rows([p.old[k] for k in ks], T)
-                    loss, st = policy_loss(logp, old_t, ref_t, adv, weights, self.cfg.clip, kl_coef)
-                    self._backward(loss)
-                    st["entropy"] = float((ent * weights).sum())
-                    st["loss"] = float(loss.detach())
-                    if self.critic is not None:
-                        st.update(self.critic.accumulate(
-                            [seqs[k] for k in ks], pad_rows([p.values[k] for k in ks], T),
-                            pad_rows([returns[live[k]] for k in ks], T), weights))
-                    for k, v in st.items():  # each micro-batch stat is already weighted within its mini-batch
-                        agg.setdefault(k, []).append(v)
-                    n_tokens += int(att.sum())
-                grad_norms.append(self._step())
-                if self.critic is not None:
-                    critic_norms.append(self.critic.step())
-                n_mini += 1
-        # sums over micro-batches of a mini-batch, averaged over mini-batches; each rank's sum is ``ranks`` times
-        # its part of the whole mini-batch's (the weights are), so the ranks' mean is the whole mini-batch's
-        keys = sorted(agg)
-        summed = self._sum_over_ranks([sum(agg[k]) / n_mini for k in keys] + [mismatch_sum, mismatch_n, n_tokens])
+                yield order[m0:m1]
+
+    def _train_mini_batch(self, batch: "_UpdateBatch", mini: list[int], tally: "_UpdateTally") -> None:
+        """One optimizer step (and one critic step) over the mini-batch ``mini``: gradients accumulated over its
+        micro-batches, each sequence weighted by its share of the whole mini-batch's loss."""
+        w_seq = self._mini_batch_weights([batch.traj(k).num_policy_tokens for k in mini])
+        self._zero_grad()
+        if self.critic is not None:
+            self.critic.zero_grad()
+        for s, e in self._micro([len(batch.prepared.seqs[k]) for k in mini]):
+            self._train_micro_batch(batch, mini[s:e], w_seq[s:e], tally)
+        tally.grad_norms.append(self._step())
+        if self.critic is not None:
+            tally.critic_norms.append(self.critic.step())
+
+    def _mini_batch_weights(self, n_pol: list[int]) -> list[float]:
+        """Each sequence's loss weight, normalised by the whole mini-batch over all data-parallel ranks
+        (``core.losses``; ``n_pol``: the sequences' policy-token counts). A rank's share of only zero-weight
+        sharding padding still runs, with weight 0, for the collectives."""
+        totals = tuple(int(x) for x in self._sum_over_ranks(list(batch_totals(n_pol))))
+        if not totals[0]:
+            return [0.0] * len(n_pol)
+        return sequence_weights(n_pol, self.cfg.loss_agg, totals=totals, ranks=self._data_parallel_ranks())
+
+    def _train_micro_batch(self, batch: "_UpdateBatch", ks: list[int], w_seq: list[float],
+                           tally: "_UpdateTally") -> None:
+        """Forward and backward of the micro-batch ``ks`` (positions in ``Prepared.live``; ``w_seq`` their
+        sequence weights): the clipped policy loss (and the critic's value loss); its stats go to ``tally``."""
+        p = batch.prepared
+        ids, att = self._pad([p.seqs[k] for k in ks])
+        T = ids.shape[1]
+        mask = pad_rows([batch.traj(k).loss_mask for k in ks], T)
+        weights = mask * torch.tensor(w_seq)[:, None]
+        adv = pad_rows([batch.advantages[p.live[k]] for k in ks], T)
+        ref_t = pad_rows([p.ref[k] for k in ks], T) if p.ref is not None and batch.kl_coef else None
+        logp, ent = self._token_logp(self.model, ids, att, with_entropy=True, need=mask.bool(),
+                                     groups=[batch.traj(k).group_id for k in ks])
+        if batch.own_old:
+            old_t = logp.detach()
+            total, n = mismatch_sums(pad_rows([batch.traj(k).logprobs for k in ks], T), old_t, mask)
+            tally.mismatch_sum, tally.mismatch_n = tally.mismatch_sum + total, tally.mismatch_n + n
+        else:
+            old_t = pad_rows([p.old[k] for k in ks], T)
+        loss, st = policy_loss(logp, old_t, ref_t, adv, weights, self.cfg.clip, batch.kl_coef)
+        self._backward(loss)
+        st["entropy"] = float((ent * weights).sum())
+        st["loss"] = float(loss.detach())
+        if self.critic is not None:
+            st.update(self.critic.accumulate(
+                [p.seqs[k] for k in ks], pad_rows([p.values[k] for k in ks], T),
+                pad_rows([batch.returns[p.live[k]] for k in ks], T), weights))
+        for k, v in st.items():  # each micro-batch stat is already weighted within its mini-batch
+            tally.agg.setdefault(k, []).append(v)
+        tally.n_tokens += int(att.sum())
+
+    def _update_stats(self, batch: "_UpdateBatch", tally: "_UpdateTally", t0: float) -> dict[str, float]:
+        """The update's stats: ``prepare``'s, then the micro-batch stats summed within each mini-batch and
+        averaged over mini-batches; each rank's sum is ``ranks`` times its part of the whole mini-batch's (the
+        weights are), so the ranks' mean is the whole mini-batch's. Then the log-prob mismatch (when the old
+        log-probs were this update's own), gradient norms, optimizer steps and throughput since ``t0``."""
+        ranks = self._data_parallel_ranks()
+        stats: dict[str, float] = dict(batch.prepared.stats)
+        n_mini = len(tally.grad_norms)
+        keys = sorted(tally.agg)
+        summed = self._sum_over_ranks([sum(tally.agg[k]) / n_mini for k in keys]
+                                      + [tally.mismatch_sum, tally.mismatch_n, tally.n_tokens])
         for k, v in zip(keys, summed):
             stats[k] = v / ranks
         mismatch_sum, mismatch_n, n_tokens = summed[len(keys):]
-        if own_old:
+        if batch.own_old:
             stats["logprob_mismatch"] = mismatch_sum / max(1, mismatch_n)
-        stats["grad_norm"] = sum(grad_norms) / len(grad_norms)
-        if critic_norms:
-            stats["critic_grad_norm"] = sum(critic_norms) / len(critic_norms)
+        stats["grad_norm"] = sum(tally.grad_norms) / len(tally.grad_norms)
+        if tally.critic_norms:
+            stats["critic_grad_norm"] = sum(tally.critic_norms) / len(tally.critic_norms)
         stats["optimizer_steps"] = float(n_mini)
         dt = time.time() - t0
         stats["update_tokens_per_s"] = n_tokens / dt if dt > 0 else 0.0
