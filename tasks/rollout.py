@@ -12,15 +12,16 @@ in-process), so a vLLM backend or another transport slots in without touching it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, Awaitable, Callable, Iterator, Protocol
 
 from core.busyclock import BusyClock
 from core.chat import ChatFormat
 from core.trajectory import Trajectory
 from envs.errors import TaskIndexError
-from tasks.backends.generation import GenerationBackend, RequestDriver, SamplingParams
+from tasks.backends.generation import Generation, GenerationBackend, RequestDriver, SamplingParams
 
 
 @dataclass
@@ -233,240 +234,85 @@ async def _rollout_pass(req: RolloutRequest, rt: RolloutRuntime,
     return await _lockstep_pass(req, rt, episode_ids)
 
 
-async def _lockstep_pass(req: RolloutRequest, rt: RolloutRuntime,
-                         episode_ids: list[int] | None = None) -> tuple[list[Trajectory], RolloutStats]:
-    """Rounds: one generate call for every live episode's next turn, then all their env steps."""
-    specs, make_env, backend, chat, on_round, max_live = req.specs, rt.make_env, rt.backend, rt.chat, rt.on_round, rt.max_live
-    params, token_budget, seed = req.params, req.token_budget, req.seed
-    ids, limits = _plan(req, rt, episode_ids)
-    stats = RolloutStats(episodes=len(specs))
-    live_clock = BusyClock()  # episodes live: the generator is idle for this time less its generate calls
-    t_start = time.time()
-    envs = [make_env(i) for i in range(len(specs))]
-    trajs = [Trajectory(task_id=s.task_id, group_id=s.group_id) for s in specs]
-    texts: list[list[str]] = [[] for _ in specs]
+class _Episodes:
+    """One pass's episodes: each one's env session, trajectory, reply texts, seed key (``ids``) and turn limit,
+    and the pass's stats; and the steps both passes take per episode, written once so the two treat an episode
+    alike: start it from its reset reply, its turn's token cap and seed, record the turn's generation, apply the
+    env's reply, close its env; then the pass's result."""
 
-    pending = list(range(len(specs)))[::-1]  # popped from the end: episodes start in spec order
-    cap = len(specs) if max_live is None else max_live
-    stats.live_cap = max_live
-    live: list[int] = []
+    def __init__(self, req: RolloutRequest, rt: RolloutRuntime, episode_ids: list[int] | None,
+                 async_episodes: bool = False):
+        self.req, self.chat = req, rt.chat
+        self.ids, self.limits = _plan(req, rt, episode_ids)
+        self.n = len(req.specs)
+        self.stats = RolloutStats(episodes=self.n, live_cap=rt.max_live, async_episodes=async_episodes)
+        self.t_start = time.time()
+        self.envs = [rt.make_env(i) for i in range(self.n)]
+        self.trajs = [Trajectory(task_id=s.task_id, group_id=s.group_id) for s in req.specs]
+        self.texts: list[list[str]] = [[] for _ in req.specs]
 
-    async def admit() -> None:
-        """Reset pending episodes until ``cap`` are live (an env server with a bounded pool — browser contexts,
-        JVMs — then never sees more episodes than it can hold)."""
-        batch = [pending.pop() for _ in range(min(cap - len(live), len(pending)))]
-        stats.waiting = len(pending)
-        if not batch:
-            return
-        t0 = time.time()
-        resets = await asyncio.gather(*[_safe(envs[i].reset(specs[i].task_id)) for i in batch])
-        stats.env_time_s += time.time() - t0
-        ended = []
-        for i, r in zip(batch, resets):
-            if isinstance(r, Exception):
-                trajs[i].error = f"reset: {type(r).__name__}: {r}"
-                trajs[i].finish("env_error")
-                ended.append(i)
-                continue
-            prompt = chat.prompt_ids(r.instruction, r.observation)
-            trajs[i].info["first_observation"] = r.observation
-            if r.info.get("category") is not None:  # the env's task category (per-category eval scores)
-                trajs[i].info["category"] = str(r.info["category"])
-            trajs[i].start(prompt)
-            if len(prompt) + 1 >= token_budget:
-                trajs[i].finish("token_budget")
-                ended.append(i)
-                continue
-            live.append(i)
-        live_clock.set(len(live))
-        await close(ended)
+    def reset(self, i: int) -> Awaitable[EnvReply]:
+        return self.envs[i].reset(self.req.specs[i].task_id)
 
-    async def close(idx: list[int]) -> None:  # a finished episode gives its env (and its pool slot) back at once
-        await asyncio.gather(*[_safe(envs[i].close()) for i in idx])
-
-    await admit()
-    rnd = 0
-    while live or pending:
-        if not live:  # every admitted episode ended at reset: admit the next ones
-            await admit()
-            continue
-        rnd += 1
-        t0 = time.time()
-        gens = _generate_round(backend, trajs, live, params, token_budget, seed, ids)
-        stats.gen_time_s += time.time() - t0
-        for i in live:
-            g = gens[i]
-            trajs[i].add_action(g.token_ids, g.logprobs)
-            stats.generated_tokens += len(g.token_ids)
-            texts[i].append(chat.tokenizer.decode(g.token_ids, skip_special_tokens=True))
-
-        t0 = time.time()
-        replies = await asyncio.gather(*[_safe(envs[i].step(texts[i][-1])) for i in live])
-        stats.env_time_s += time.time() - t0
-        stats.env_steps += len(live)
-        still = [i for i, r in zip(live, replies)
-                 if _apply_reply(trajs[i], r, limits[i], token_budget, chat, gens[i].finish == "stop")]
-        await close(sorted(set(live) - set(still)))
-        live[:] = still
-        live_clock.set(len(live))
-        if on_round is not None:
-            on_round(rnd, len(live) + len(pending), stats)
-        await admit()
-
-    for i, t in enumerate(trajs):
-        t.info["replies"] = texts[i]
-    stats.wall_time_s = time.time() - t_start
-    stats.gen_idle_s = max(0.0, live_clock.total() - stats.gen_time_s)
-    return trajs, stats
-
-
-class _AdmitGate:
-    """Episodes start in spec order, at most ``cap`` live at once: ``enter(i)`` waits for episode ``i``'s turn and
-    a free slot, ``leave()`` frees the slot."""
-
-    def __init__(self, cap: int):
-        self.cap, self.next, self.live = cap, 0, 0
-        self.cond = asyncio.Condition()
-
-    async def enter(self, i: int) -> None:
-        async with self.cond:
-            await self.cond.wait_for(lambda: self.next == i and self.live < self.cap)
-            self.next += 1
-            self.live += 1
-            self.cond.notify_all()
-
-    async def leave(self) -> None:
-        async with self.cond:
-            self.live -= 1
-            self.cond.notify_all()
-
-
-PROGRESS_EVERY_S = 5.0  # per-episode pass: on_round at each new furthest turn, else at most this often
-
-
-async def _episodes_pass(req: RolloutRequest, rt: RolloutRuntime,
-                         episode_ids: list[int] | None = None) -> tuple[list[Trajectory], RolloutStats]:
-    """Every episode as its own loop: reset, then (submit its turn -> await its Generation -> env step -> apply the
-    reply) until it ends. A ``RequestDriver`` steps the backend's request-level engine in a worker thread, so env
-    calls run meanwhile and an episode's next turn joins the running batch as soon as its observation is back.
-
-    Per episode this is the lock-step pass: the same seeds (``episode_seed`` of its index and turn), per-turn
-    token caps, ``_apply_reply`` and admission order; only which episodes share an engine step differs.
-    ``stats.gen_time_s`` is the time a request was in flight (the engine busy), ``gen_idle_s`` the time with
-    episodes live and none in flight, ``env_time_s`` the time an env call was outstanding. ``rt.on_round`` is
-    called with the furthest turn any episode has finished, when that grows, when the last episode ends, and
-    otherwise at most every ``PROGRESS_EVERY_S``."""
-    specs, chat, params, token_budget, seed = req.specs, rt.chat, req.params, req.token_budget, req.seed
-    ids, limits = _plan(req, rt, episode_ids)
-    n = len(specs)
-    stats = RolloutStats(episodes=n, live_cap=rt.max_live, async_episodes=True)
-    t_start = time.time()
-    envs = [rt.make_env(i) for i in range(n)]
-    trajs = [Trajectory(task_id=s.task_id, group_id=s.group_id) for s in specs]
-    texts: list[list[str]] = [[] for _ in specs]
-    gate = _AdmitGate(n if rt.max_live is None else rt.max_live)
-    live_clock, flight_clock, env_clock = BusyClock(), BusyClock(), BusyClock()
-    driver = RequestDriver(rt.backend.request_engine())
-    progress = {"turn": 0, "at": time.monotonic(), "ended": 0}
-
-    def report(turn: int) -> None:
-        remaining = n - progress["ended"]
-        now = time.monotonic()
-        if turn > progress["turn"] or remaining == 0 or now - progress["at"] >= PROGRESS_EVERY_S:
-            progress["turn"], progress["at"] = max(turn, progress["turn"]), now
-            if rt.on_round is not None:
-                stats.gen_time_s, stats.env_time_s = driver.busy_time(), env_clock.total()
-                rt.on_round(progress["turn"], remaining, stats)
-
-    async def env_call(coro: Awaitable[EnvReply]) -> EnvReply | Exception:
-        env_clock.enter()
-        try:
-            return await _safe(coro)
-        finally:
-            env_clock.exit()
-
-    async def play(i: int) -> None:
-        tr = trajs[i]
-        r = await env_call(envs[i].reset(specs[i].task_id))
+    def start(self, i: int, r: EnvReply | Exception) -> bool:
+        """Start episode ``i`` from its env's reset reply (the prompt, its first observation and task category);
+        True if it goes on to its first turn, False once it ended (env error, or a prompt that leaves no room in
+        the token budget)."""
+        tr = self.trajs[i]
         if isinstance(r, Exception):
             tr.error = f"reset: {type(r).__name__}: {r}"
             tr.finish("env_error")
-            return
-        prompt = chat.prompt_ids(r.instruction, r.observation)
+            return False
+        prompt = self.chat.prompt_ids(r.instruction, r.observation)
         tr.info["first_observation"] = r.observation
-        if r.info.get("category") is not None:
+        if r.info.get("category") is not None:  # the env's task category (per-category eval scores)
             tr.info["category"] = str(r.info["category"])
         tr.start(prompt)
-        if len(prompt) + 1 >= token_budget:
+        if len(prompt) + 1 >= self.req.token_budget:
             tr.finish("token_budget")
-            return
-        live_clock.enter()
-        try:
-            while True:
-                p = SamplingParams(min(params.max_new_tokens, token_budget - len(tr.token_ids)), params.temperature,
-                                   params.top_p, None if seed is None else (episode_seed(seed, ids[i], tr.turns),))
-                flight_clock.enter()
-                try:
-                    g = await driver.submit(list(tr.token_ids), p)
-                finally:
-                    flight_clock.exit()
-                tr.add_action(g.token_ids, g.logprobs)
-                stats.generated_tokens += len(g.token_ids)
-                texts[i].append(chat.tokenizer.decode(g.token_ids, skip_special_tokens=True))
-                r = await env_call(envs[i].step(texts[i][-1]))
-                stats.env_steps += 1
-                if not _apply_reply(tr, r, limits[i], token_budget, chat, g.finish == "stop"):
-                    return
-                report(tr.turns)
-        finally:
-            live_clock.exit()
+            return False
+        return True
 
-    async def episode(i: int) -> None:
-        await gate.enter(i)
-        stats.waiting = n - gate.next
-        try:
-            await play(i)
-        finally:
-            await _safe(envs[i].close())  # a finished episode gives its env (and its pool slot) back at once
-            await gate.leave()
-        progress["ended"] += 1
-        report(trajs[i].turns)
+    def turn_cap(self, i: int) -> int:
+        """Episode ``i``'s max new tokens this turn: the per-turn cap, or what its token budget has left if less."""
+        return min(self.req.params.max_new_tokens, self.req.token_budget - len(self.trajs[i].token_ids))
 
-    driver.start()
-    tasks = [asyncio.create_task(episode(i)) for i in range(n)]
-    try:
-        await asyncio.gather(*tasks)
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-    finally:
-        await driver.close()
+    def turn_seed(self, i: int) -> int:
+        """Episode ``i``'s sampling seed this turn (the request has a seed)."""
+        return episode_seed(self.req.seed, self.ids[i], self.trajs[i].turns)
 
-    for i, t in enumerate(trajs):
-        t.info["replies"] = texts[i]
-    stats.waiting = 0
-    stats.gen_time_s, stats.env_time_s = driver.busy_time(), env_clock.total()
-    stats.wall_time_s = time.time() - t_start
-    stats.gen_idle_s = max(0.0, live_clock.total() - flight_clock.total())
-    return trajs, stats
+    def turn_params(self, i: int) -> SamplingParams:
+        """Episode ``i``'s sampling params this turn, as one request."""
+        seeds = None if self.req.seed is None else (self.turn_seed(i),)
+        return SamplingParams(self.turn_cap(i), self.req.params.temperature, self.req.params.top_p, seeds)
 
+    def act(self, i: int, g: Generation) -> None:
+        """Record episode ``i``'s turn: the sampled ids and log-probs as they are, and the reply's text."""
+        self.trajs[i].add_action(g.token_ids, g.logprobs)
+        self.stats.generated_tokens += len(g.token_ids)
+        self.texts[i].append(self.chat.tokenizer.decode(g.token_ids, skip_special_tokens=True))
 
-def _generate_round(backend: GenerationBackend, trajs: list[Trajectory], live: list[int], params: SamplingParams,
-                    token_budget: int, seed: int | None, ids: list[int]) -> dict[int, Any]:
-    """One turn's generation for every live episode: one generate call per distinct max_new_tokens (all equal
-    unless an episode's token budget binds), each episode-turn with its own seed when ``seed`` is set."""
-    by_cap: dict[int, list[int]] = {}
-    for i in live:
-        by_cap.setdefault(min(params.max_new_tokens, token_budget - len(trajs[i].token_ids)), []).append(i)
-    gens = {}
-    for n_new, idx in by_cap.items():
-        seeds = None if seed is None else tuple(episode_seed(seed, ids[i], trajs[i].turns) for i in idx)
-        p = SamplingParams(n_new, params.temperature, params.top_p, seeds)
-        for i, g in zip(idx, backend.generate([trajs[i].token_ids for i in idx], p)):
-            gens[i] = g
-    return gens
+    def step(self, i: int) -> Awaitable[EnvReply]:
+        """Send episode ``i``'s last reply to its env."""
+        return self.envs[i].step(self.texts[i][-1])
+
+    def apply_reply(self, i: int, r: EnvReply | Exception, g: Generation) -> bool:
+        """Count the env step and apply its reply to episode ``i``'s turn (``g``); True if the episode goes on."""
+        self.stats.env_steps += 1
+        return _apply_reply(self.trajs[i], r, self.limits[i], self.req.token_budget, self.chat, g.finish == "stop")
+
+    def close(self, i: int) -> Awaitable[EnvReply | Exception]:
+        """Close episode ``i``'s env: a finished episode gives its env (and its pool slot) back at once."""
+        return _safe(self.envs[i].close())
+
+    def result(self, idle_s: float) -> tuple[list[Trajectory], RolloutStats]:
+        """The pass's trajectories (each with its reply texts) and stats (``idle_s``: the generator's idle time)."""
+        for i, t in enumerate(self.trajs):
+            t.info["replies"] = self.texts[i]
+        self.stats.waiting = 0
+        self.stats.wall_time_s = time.time() - self.t_start
+        self.stats.gen_idle_s = max(0.0, idle_s)
+        return self.trajs, self.stats
 
 
 def _apply_reply(tr: Trajectory, r: EnvReply | Exception, limit: int, token_budget: int, chat: ChatFormat,
@@ -502,6 +348,205 @@ def _apply_reply(tr: Trajectory, r: EnvReply | Exception, limit: int, token_budg
         return False
     tr.add_env(env_ids)
     return True
+
+
+async def _lockstep_pass(req: RolloutRequest, rt: RolloutRuntime,
+                         episode_ids: list[int] | None = None) -> tuple[list[Trajectory], RolloutStats]:
+    """Rounds: one generate call for every live episode's next turn, then all their env steps."""
+    ep = _Episodes(req, rt, episode_ids)
+    live_clock = BusyClock()  # episodes live: the generator is idle for this time less its generate calls
+    pending = list(range(ep.n))[::-1]  # popped from the end: episodes start in spec order
+    cap = ep.n if rt.max_live is None else rt.max_live
+    live: list[int] = []
+
+    async def admit() -> None:
+        """Reset pending episodes until ``cap`` are live (an env server with a bounded pool — browser contexts,
+        JVMs — then never sees more episodes than it can hold)."""
+        batch = [pending.pop() for _ in range(min(cap - len(live), len(pending)))]
+        ep.stats.waiting = len(pending)
+        if not batch:
+            return
+        t0 = time.time()
+        resets = await asyncio.gather(*[_safe(ep.reset(i)) for i in batch])
+        ep.stats.env_time_s += time.time() - t0
+        ended = []
+        for i, r in zip(batch, resets):
+            (live if ep.start(i, r) else ended).append(i)
+        live_clock.set(len(live))
+        await asyncio.gather(*[ep.close(i) for i in ended])
+
+    await admit()
+    rnd = 0
+    while live or pending:
+        if not live:  # every admitted episode ended at reset: admit the next ones
+            await admit()
+            continue
+        rnd += 1
+        live[:] = await _lockstep_round(ep, rt.backend, live)
+        live_clock.set(len(live))
+        if rt.on_round is not None:
+            rt.on_round(rnd, len(live) + len(pending), ep.stats)
+        await admit()
+    return ep.result(idle_s=live_clock.total() - ep.stats.gen_time_s)
+
+
+async def _lockstep_round(ep: _Episodes, backend: GenerationBackend, live: list[int]) -> list[int]:
+    """One round of the lock-step pass: the next turn of every ``live`` episode generated together, then their env
+    steps sent concurrently and the replies applied; returns the episodes that go on (the others' envs closed)."""
+    t0 = time.time()
+    gens = _generate_round(backend, ep, live)
+    ep.stats.gen_time_s += time.time() - t0
+    for i in live:
+        ep.act(i, gens[i])
+    t0 = time.time()
+    replies = await asyncio.gather(*[_safe(ep.step(i)) for i in live])
+    ep.stats.env_time_s += time.time() - t0
+    still = [i for i, r in zip(live, replies) if ep.apply_reply(i, r, gens[i])]
+    await asyncio.gather(*[ep.close(i) for i in sorted(set(live) - set(still))])
+    return still
+
+
+def _generate_round(backend: GenerationBackend, ep: _Episodes, live: list[int]) -> dict[int, Generation]:
+    """One turn's generation for every live episode: one generate call per distinct max_new_tokens (all equal
+    unless an episode's token budget binds), each episode-turn with its own seed when the request has one."""
+    by_cap: dict[int, list[int]] = {}
+    for i in live:
+        by_cap.setdefault(ep.turn_cap(i), []).append(i)
+    gens = {}
+    for n_new, idx in by_cap.items():
+        seeds = None if ep.req.seed is None else tuple(ep.turn_seed(i) for i in idx)
+        p = SamplingParams(n_new, ep.req.params.temperature, ep.req.params.top_p, seeds)
+        for i, g in zip(idx, backend.generate([ep.trajs[i].token_ids for i in idx], p)):
+            gens[i] = g
+    return gens
+
+
+class _AdmitGate:
+    """Episodes start in spec order, at most ``cap`` live at once: ``enter(i)`` waits for episode ``i``'s turn and
+    a free slot, ``leave()`` frees the slot."""
+
+    def __init__(self, cap: int):
+        self.cap, self.next, self.live = cap, 0, 0
+        self.cond = asyncio.Condition()
+
+    async def enter(self, i: int) -> None:
+        async with self.cond:
+            await self.cond.wait_for(lambda: self.next == i and self.live < self.cap)
+            self.next += 1
+            self.live += 1
+            self.cond.notify_all()
+
+    async def leave(self) -> None:
+        async with self.cond:
+            self.live -= 1
+            self.cond.notify_all()
+
+
+PROGRESS_EVERY_S = 5.0  # per-episode pass: on_round at each new furthest turn, else at most this often
+
+
+class _Progress:
+    """The per-episode pass's ``on_round(turn, remaining, stats)``: called with the furthest turn any episode has
+    finished, when that grows, when the last episode ends, and otherwise at most every ``PROGRESS_EVERY_S``; the
+    stats' generation and env times are brought up to date (``times()``) first."""
+
+    def __init__(self, n: int, on_round: Callable[[int, int, RolloutStats], None] | None, stats: RolloutStats,
+                 times: Callable[[], tuple[float, float]]):
+        self.n, self.on_round, self.stats, self.times = n, on_round, stats, times
+        self.turn, self.at, self.ended = 0, time.monotonic(), 0
+
+    def report(self, turn: int) -> None:
+        remaining = self.n - self.ended
+        now = time.monotonic()
+        if turn > self.turn or remaining == 0 or now - self.at >= PROGRESS_EVERY_S:
+            self.turn, self.at = max(turn, self.turn), now
+            if self.on_round is not None:
+                self.stats.gen_time_s, self.stats.env_time_s = self.times()
+                self.on_round(self.turn, remaining, self.stats)
+
+    def episode_ended(self, turns: int) -> None:
+        self.ended += 1
+        self.report(turns)
+
+
+async def _episodes_pass(req: RolloutRequest, rt: RolloutRuntime,
+                         episode_ids: list[int] | None = None) -> tuple[list[Trajectory], RolloutStats]:
+    """Every episode as its own loop: reset, then (submit its turn -> await its Generation -> env step -> apply the
+    reply) until it ends. A ``RequestDriver`` steps the backend's request-level engine in a worker thread, so env
+    calls run meanwhile and an episode's next turn joins the running batch as soon as its observation is back.
+
+    Per episode this is the lock-step pass: the same seeds (``episode_seed`` of its index and turn), per-turn
+    token caps, reply handling (``_Episodes``) and admission order; only which episodes share an engine step
+    differs. ``stats.gen_time_s`` is the time a request was in flight (the engine busy), ``gen_idle_s`` the time
+    with episodes live and none in flight, ``env_time_s`` the time an env call was outstanding. ``rt.on_round``
+    reports progress (``_Progress``)."""
+    ep = _Episodes(req, rt, episode_ids, async_episodes=True)
+    gate = _AdmitGate(ep.n if rt.max_live is None else rt.max_live)
+    live_clock, flight_clock, env_clock = BusyClock(), BusyClock(), BusyClock()
+    driver = RequestDriver(rt.backend.request_engine())
+    progress = _Progress(ep.n, rt.on_round, ep.stats, lambda: (driver.busy_time(), env_clock.total()))
+
+    async def env_call(coro: Awaitable[EnvReply]) -> EnvReply | Exception:
+        with _busy(env_clock):
+            return await _safe(coro)
+
+    async def generate(i: int) -> Generation:
+        p = ep.turn_params(i)
+        with _busy(flight_clock):
+            return await driver.submit(list(ep.trajs[i].token_ids), p)
+
+    async def play(i: int) -> None:
+        """Episode ``i`` from its reset to its end, one turn after another."""
+        if not ep.start(i, await env_call(ep.reset(i))):
+            return
+        with _busy(live_clock):
+            while True:
+                g = await generate(i)
+                ep.act(i, g)
+                if not ep.apply_reply(i, await env_call(ep.step(i)), g):
+                    return
+                progress.report(ep.trajs[i].turns)
+
+    async def episode(i: int) -> None:
+        await gate.enter(i)
+        ep.stats.waiting = ep.n - gate.next
+        try:
+            await play(i)
+        finally:
+            await ep.close(i)
+            await gate.leave()
+        progress.episode_ended(ep.trajs[i].turns)
+
+    driver.start()
+    try:
+        await _all_or_cancel([episode(i) for i in range(ep.n)])
+    finally:
+        await driver.close()
+    ep.stats.gen_time_s, ep.stats.env_time_s = driver.busy_time(), env_clock.total()
+    return ep.result(idle_s=live_clock.total() - flight_clock.total())
+
+
+@contextlib.contextmanager
+def _busy(clock: BusyClock) -> Iterator[None]:
+    """``clock`` counts one more user for the block."""
+    clock.enter()
+    try:
+        yield
+    finally:
+        clock.exit()
+
+
+async def _all_or_cancel(coros: list[Awaitable[None]]) -> None:
+    """Run ``coros`` as tasks to their end; if one fails (or this is cancelled), cancel the others, wait for them
+    to wind down, and raise."""
+    tasks = [asyncio.create_task(c) for c in coros]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 async def run_rollout_retrying(
