@@ -146,20 +146,63 @@ def evaluate(cfg: RunConfig, checkpoint_ref: str, split: str = "test", n: int = 
     ``cfg.eval_turn_limit``. ``env_options`` None: the checkpoint's training env options if it has
     them, else ``cfg.env.options``. ``task_ids`` overrides ``split``/``n`` (the first n indices of the split).
     Raises ``EvalInputError`` (one line, with the fix) on bad input."""
-    from flows.scalinginter import local_model_dir
-    from tasks.steps import MAX_EVAL_SAMPLES
-
-    def sweep_ok(limits: list[int]) -> None:
-        try:
-            check_sweep(samples, limits)
-        except ValueError as e:
-            raise EvalInputError(str(e)) from None
-
     if turn_limits is not None:
         turn_limits = [int(t) for t in turn_limits]
-        sweep_ok(turn_limits)
+    temperature = _check_inputs(samples, turn_limits, temperature, split, n, confidence)
+    check_ref(checkpoint_ref)
+    if compare_ref is not None:
+        check_ref(compare_ref, "--compare checkpoint")
+    max_new = int(max_new_tokens or cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens)
+    model_dirs = _model_dirs(cfg, checkpoint_ref, compare_ref)
+    trained, state = trained_config(model_dirs["model"])
+    if turn_limits is None:
+        turn_limits = [int(state.get("turn_limit") or cfg.eval_turn_limit)]
+        _check_sweep(samples, turn_limits)
+    _check_context(model_dirs, turn_limits, max_new)
+    options, source = _env_options(cfg, trained, env_options)
+    cfg = cfg.model_copy(update={"env": cfg.env.model_copy(update={"options": options})})
+
+    ids = list(task_ids) if task_ids is not None else [task_index(split, i) for i in range(n)]
+    greedy = samples == 1 and temperature == 0
+    header = _header(cfg, split, ids, samples, greedy, temperature, turn_limits, max_new, source)
+    print(header)
+    from tasks.backends.vllm_backend import keep_engines
+
+    with keep_engines():  # one engine for both models; an enclosing run's scope keeps it up after this
+        sweeps = evaluate_models(cfg, model_dirs, ids, turn_limits, samples, float(temperature), max_new, seed,
+                                 str(episodes_path) if episodes_path else None)
+
+    refs = {"model": checkpoint_ref, "compare": compare_ref}
+    models = {name: (refs[name], _model_report(sw, ids, turn_limits, samples, confidence, seed))
+              for name, sw in sweeps.items()}
+    meta = {"header": header, "env": cfg.env.name, "split": split if task_ids is None else "given",
+            "task_ids": ids, "n_tasks": len(ids), "temperature": float(temperature), "greedy": greedy,
+            "max_new_tokens": max_new, "token_budget": cfg.rollout.token_budget, "backend": cfg.rollout.backend,
+            "env_options": options, "env_options_source": source}
+    doc = build_document(meta, models, samples, turn_limits, confidence, seed,
+                         compare=("model", "compare") if compare_ref is not None else None)
+    for name, sw in sweeps.items():
+        doc["models"][name]["engine"] = sw["stats"]
+    return doc
+
+
+def _check_sweep(samples: int, turn_limits: list[int]) -> None:
+    try:
+        check_sweep(samples, turn_limits)
+    except ValueError as e:
+        raise EvalInputError(str(e)) from None
+
+
+def _check_inputs(samples: int, turn_limits: list[int] | None, temperature: float | None, split: str, n: int,
+                      confidence: float) -> float:
+    """Check the inputs that need no model folder: the sweep (the turn budgets when given), the split, the task
+    count, the confidence and the sampling; returns the temperature (None: greedy for one sample, else 1.0)."""
+    from tasks.steps import MAX_EVAL_SAMPLES
+
+    if turn_limits is not None:
+        _check_sweep(samples, turn_limits)
     elif samples < 1:
-        sweep_ok([1])
+        _check_sweep(samples, [1])
     if samples > MAX_EVAL_SAMPLES:
         raise EvalInputError(f"--samples {samples} is more than {MAX_EVAL_SAMPLES}: lower it")
     if split not in ("test", "train"):
@@ -175,10 +218,12 @@ def evaluate(cfg: RunConfig, checkpoint_ref: str, split: str = "test", n: int = 
     if samples > 1 and temperature == 0:
         raise EvalInputError(f"--samples {samples} with temperature 0 scores {samples} identical greedy episodes: "
                              "pass --temperature > 0 (e.g. 1.0) or --samples 1")
-    check_ref(checkpoint_ref)
-    if compare_ref is not None:
-        check_ref(compare_ref, "--compare checkpoint")
-    max_new = int(max_new_tokens or cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens)
+    return temperature
+
+
+def _model_dirs(cfg: RunConfig, checkpoint_ref: str, compare_ref: str | None) -> dict[str, str]:
+    """The local folders of the model (and the one to compare with, which must share its tokenizer)."""
+    from flows.scalinginter import local_model_dir
 
     model_dirs = {"model": local_model_dir(cfg, checkpoint_ref)}
     if compare_ref is not None:
@@ -187,10 +232,11 @@ def evaluate(cfg: RunConfig, checkpoint_ref: str, split: str = "test", n: int = 
         if not ok:
             raise EvalInputError(f"--compare {compare_ref!r} uses a different tokenizer than {checkpoint_ref!r} "
                                  f"({why}): compare checkpoints of the same base model")
-    trained, state = trained_config(model_dirs["model"])
-    if turn_limits is None:
-        turn_limits = [int(state.get("turn_limit") or cfg.eval_turn_limit)]
-        sweep_ok(turn_limits)
+    return model_dirs
+
+
+def _check_context(model_dirs: dict[str, str], turn_limits: list[int], max_new: int) -> None:
+    """The largest turn budget's new tokens must fit in every model's context."""
     for name, d in model_dirs.items():
         ctx = _context_length(d)
         need = max(turn_limits) * max_new
@@ -199,16 +245,22 @@ def evaluate(cfg: RunConfig, checkpoint_ref: str, split: str = "test", n: int = 
                                  f"beyond the context of {name} ({ctx} tokens): lower --turn-limits or "
                                  "--max-new-tokens")
 
-    if env_options is not None:
-        options, source = dict(env_options), "given"
-    elif trained is not None and trained.env.name == cfg.env.name:
-        options, source = dict(trained.env.options), "checkpoint"
-    else:
-        options, source = dict(cfg.env.options), "defaults"
-    cfg = cfg.model_copy(update={"env": cfg.env.model_copy(update={"options": options})})
 
-    ids = list(task_ids) if task_ids is not None else [task_index(split, i) for i in range(n)]
-    greedy = samples == 1 and temperature == 0
+def _env_options(cfg: RunConfig, trained: RunConfig | None,
+                 env_options: dict[str, Any] | None) -> tuple[dict[str, Any], str]:
+    """The env options to score on and where they come from: as given, else the checkpoint's training options
+    (same env), else the config's."""
+    if env_options is not None:
+        return dict(env_options), "given"
+    if trained is not None and trained.env.name == cfg.env.name:
+        return dict(trained.env.options), "checkpoint"
+    return dict(cfg.env.options), "defaults"
+
+
+def _header(cfg: RunConfig, split: str, ids: list[int], samples: int, greedy: bool, temperature: float,
+            turn_limits: list[int], max_new: int, source: str) -> str:
+    """The evaluation's one-paragraph description (``cfg`` with the env options it scores on)."""
+    options = cfg.env.options
     where = {"checkpoint": "as trained (from the checkpoint's config)", "given": "as given",
              "defaults": "the env's defaults"}[source]
     header = (f"{cfg.env.name} {split} split: {len(ids)} tasks x {samples} sample{'s' if samples > 1 else ''} "
@@ -218,28 +270,15 @@ def evaluate(cfg: RunConfig, checkpoint_ref: str, split: str = "test", n: int = 
     if max(turn_limits) * max_new > cfg.rollout.token_budget:
         header += (f"\nnote: episodes at the largest budgets may end at the token budget "
                    f"(rollout.token_budget={cfg.rollout.token_budget}); raise it with --set rollout.token_budget=N")
-    print(header)
-    from tasks.backends.vllm_backend import keep_engines
+    return header
 
-    with keep_engines():  # one engine for both models; an enclosing run's scope keeps it up after this
-        sweeps = evaluate_models(cfg, model_dirs, ids, turn_limits, samples, float(temperature), max_new, seed,
-                                 str(episodes_path) if episodes_path else None)
 
-    refs = {"model": checkpoint_ref, "compare": compare_ref}
-    models = {}
-    for name, sw in sweeps.items():
-        outs = [Outcome(o["task_id"], o["turn_limit"], o["sample"], o["success"], o["reward"], o["turns"],
-                        o["category"]) for o in sw["outcomes"]]
-        models[name] = (refs[name], model_report(outs, ids, turn_limits, samples, confidence, seed))
-    meta = {"header": header, "env": cfg.env.name, "split": split if task_ids is None else "given",
-            "task_ids": ids, "n_tasks": len(ids), "temperature": float(temperature), "greedy": greedy,
-            "max_new_tokens": max_new, "token_budget": cfg.rollout.token_budget, "backend": cfg.rollout.backend,
-            "env_options": options, "env_options_source": source}
-    doc = build_document(meta, models, samples, turn_limits, confidence, seed,
-                         compare=("model", "compare") if compare_ref is not None else None)
-    for name, sw in sweeps.items():
-        doc["models"][name]["engine"] = sw["stats"]
-    return doc
+def _model_report(sweep: dict[str, Any], ids: list[int], turn_limits: list[int], samples: int, confidence: float,
+                  seed: int) -> dict[str, Any]:
+    """One model's budgets report from its sweep's outcomes (``core.evalreport.model_report``)."""
+    outs = [Outcome(o["task_id"], o["turn_limit"], o["sample"], o["success"], o["reward"], o["turns"],
+                    o["category"]) for o in sweep["outcomes"]]
+    return model_report(outs, ids, turn_limits, samples, confidence, seed)
 
 
 def write_json(doc: dict[str, Any], path: str | Path) -> Path:
