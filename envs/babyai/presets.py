@@ -3,7 +3,8 @@
 from typing import Any
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # The CPU demo (~20 min on 2 bf16-capable cores: 1,138 s measured): three phases with growing turn limits, 4 steps each.
+    # The CPU demo (~13 min on 2 bf16-capable cores: 777 s measured with one engine and per-episode rollout):
+    # three phases with growing turn limits, 4 steps each.
     # Tuned so the gain is real (measured on a 2-core AVX512-BF16 CPU, 96 held-out tasks, greedy, 4 turns):
     # base 16/96 -> 59/96 after these 12 steps (45 tasks gained, 2 lost; McNemar p < 1e-10). The levers:
     # lr 3e-5 (2e-6 barely moved a 135M model: 16 -> 20/96), no KL reference (kl_coef 0: one forward less per
