@@ -255,9 +255,10 @@ def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, tur
             # the servers' capacities (pool sizes; AgentGym servers advertise none) cap the live episodes
             caps, cap = await live_cap(clients, s.cfg.rollout.max_live_episodes)
             kv_cap = getattr(s.backend, "max_live_episodes", None)  # what the engine's KV cache holds (vLLM)
-            bound = "env capacity"  # what the waiting episodes wait for, named on the progress line
-            if kv_cap is not None and (cap is None or kv_cap < cap):
-                cap, bound = kv_cap, "room in the KV cache"
+            kv_binds = kv_cap is not None and (cap is None or kv_cap < cap)
+            if kv_binds:
+                cap = kv_cap
+            waits_for = "room in the KV cache" if kv_binds else "env capacity"  # named on the progress line
             slots = ServerSlots(clients, caps)
 
             def make(i):
@@ -267,7 +268,7 @@ def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, tur
                 limits = [f"env capacity {' + '.join('unbounded' if c is None else str(c) for c in caps)}"]
                 if s.cfg.rollout.max_live_episodes is not None:
                     limits.append(f"rollout.max_live_episodes {s.cfg.rollout.max_live_episodes}")
-                if bound != "env capacity":
+                if kv_binds:
                     limits.append(f"the KV cache holds {kv_cap}")
                 print(f"  [{label}] {len(specs)} episodes, at most {cap} live at once ({', '.join(limits)}): "
                       f"{len(specs) - cap} wait for a free slot", flush=True)
@@ -282,7 +283,7 @@ def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, tur
                     return
                 last_print[0] = now
                 # episodes, not turns: with a live cap (or per-episode async turns) the rounds outnumber the turn limit
-                wait = f" ({st.waiting} waiting for {bound}, at most {st.live_cap} live)" if st.waiting else ""
+                wait = f" ({st.waiting} waiting for {waits_for}, at most {st.live_cap} live)" if st.waiting else ""
                 first = "first turn: " if rnd == 1 else ""
                 print(f"  [{label}] {first}{len(specs) - live}/{len(specs)} episodes done, {live} to go{wait}, "
                       f"{st.generated_tokens} tokens generated ({st.tokens_per_s:.0f} tok/s)", flush=True)
