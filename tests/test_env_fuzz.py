@@ -7,8 +7,8 @@ Per env (BabyAI, TextCraft, deep search, web):
 - ~200 malformed replies (random text, 100k characters, control characters, lone surrogates) each get an
   explanatory observation (HTTP 200, ``invalid_action``), and a lone surrogate keeps the keep-alive connection;
 - meanwhile ``/health`` is polled from another thread and must answer every time within a second;
-- over 2,000 create/reset/step/close cycles (slow tier), after a warm-up: the server process's RSS grows by less
-  than ``RSS_BOUND_MB`` and never trends up; with child processes (the web env's Chromium), their total memory
+- over 2,000 create/reset/step/close cycles (slow tier), after a warm-up: the server process's RSS stays less than
+  ``RSS_BOUND_MB`` above its first sample at every sample; with child processes (the web env's Chromium), their total memory
   (PSS, so pages shared between Chromium's processes count once) does not trend up either: the median of the last
   five samples stays within ``TREE_TREND_BOUND_MB`` of the first five's. Chromium's renderers come and go, so the
   tree's memory swings by a few hundred MB between samples (tree RSS 794-1,109 MB in one run); a per-sample bound on
