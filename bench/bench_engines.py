@@ -11,6 +11,10 @@ rollout: generated tok/s and env steps/s for N concurrent BabyAI (and SciWorld) 
 update: GRPO-step tokens/s of the torch and DeepSpeed ZeRO-2 learners (fp32, bf16 autocast) next to a bare
   fp32/bf16 matmul roofline measured in the same run.
 env: per-step latency p50/p99, BabyAI in-process vs over the HTTP server.
+evalscale: the smoke preset's engine (``backend_for``: KV cache sized by the product's plan) and BabyAI server,
+  its 16-episode training rollout (T=1.0, seeded) and its 96-episode evaluation (greedy, and sampled at T=1.0 as
+  K > 1 evaluations are), all at 4 turns over HTTP in the product's rollout mode, in one run: generated tok/s and
+  episode-turns/s of each, and their ratios.
 Prints a table and writes bench/results/engines-<time>.json. Run on an idle machine (flock /tmp/si-heavy.lock).
 """
 
@@ -50,25 +54,68 @@ def _prompts(chat, n, env_name="babyai"):
 class _HttpEnvs:
     """``make_env`` over a real env server process (one AsyncEnvClient per rollout)."""
 
-    def __init__(self, env_name):
+    def __init__(self, env_name, options: dict | None = None):
         from envs.spawn import EnvServerProcess
 
-        self.server = EnvServerProcess(env_name, env_options=ENV_OPTIONS.get(env_name, {}), max_envs=512).start()
+        opts = ENV_OPTIONS.get(env_name, {}) if options is None else options
+        self.server = EnvServerProcess(env_name, env_options=opts, max_envs=512).start()
 
-    async def run(self, specs, be, chat, params, turns, max_live, async_episodes):
+    async def run(self, specs, be, chat, params, turns, max_live, async_episodes, seed=None,
+                  budget=2048):
         from envs.client import AsyncEnvClient
         from tasks.env_sessions import HttpEpisode
         from tasks.rollout import run_rollout
 
         client = AsyncEnvClient(self.server.url, timeout_s=120)
         try:
-            return await run_rollout(specs, lambda i: HttpEpisode(client), be, chat, params, turns, 2048,
-                                     max_live=max_live, async_episodes=async_episodes)
+            return await run_rollout(specs, lambda i: HttpEpisode(client), be, chat, params, turns, budget,
+                                     max_live=max_live, async_episodes=async_episodes, seed=seed)
         finally:
             await client.aclose()
 
+    def cpu_seconds(self) -> float:
+        """CPU seconds used so far by the env server and its children (SciWorld's JVMs)."""
+        import psutil
+
+        try:
+            p = psutil.Process(self.server.pid)
+            procs = [p] + p.children(recursive=True)
+        except psutil.NoSuchProcess:
+            return 0.0
+        total = 0.0
+        for q in procs:
+            try:
+                c = q.cpu_times()
+                total += c.user + c.system
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
     def close(self):
         self.server.stop()
+
+
+def _replay_pure(be, trajs, params, max_live) -> float:
+    """Pure generation of the rollout's own work: every turn's prompt as the episode saw it (its history), turn by
+    turn, at most ``max_live`` at once, no env in between. Returns generated tok/s."""
+    turns: dict[int, list[list[int]]] = {}
+    for t in trajs:
+        k = 0
+        for i, m in enumerate(t.loss_mask):
+            if m and (i == 0 or not t.loss_mask[i - 1]):
+                turns.setdefault(k, []).append(t.token_ids[:i])
+                k += 1
+    reset = getattr(getattr(be, "_llm", None), "reset_prefix_cache", None)
+    if reset is not None:
+        reset()  # the rollout left these prompts cached: the replay pays their prefill as the rollout did
+    t0 = time.time()
+    ntok = 0
+    for k in sorted(turns):
+        ps = turns[k]
+        step = max_live or len(ps)
+        for j in range(0, len(ps), step):
+            ntok += sum(len(g.token_ids) for g in be.generate(ps[j:j + step], params))
+    return ntok / (time.time() - t0)
 
 
 def bench_rollout(episodes: list[int], turns: int, new_tokens: int, backends: list[str],
@@ -112,15 +159,26 @@ def bench_rollout(episodes: list[int], turns: int, new_tokens: int, backends: li
                         gens = be.generate(prompts, params)
                         dt = time.time() - t
                         pure = sum(len(g.token_ids) for g in gens) / dt
+                        # the env's capacity caps live episodes (one JVM each): pure generation at that cap too,
+                        # the prompts in consecutive batches of max_live
+                        pure_cap = None
+                        if max_live is not None and max_live < n:
+                            t = time.time()
+                            ntok = sum(len(g.token_ids) for k in range(0, n, max_live)
+                                       for g in be.generate(prompts[k:k + max_live], params))
+                            pure_cap = ntok / (time.time() - t)
                         specs = [EpisodeSpec(task_id=i, group_id=i) for i in range(n)]
                         for mode in modes if hasattr(be, "request_engine") else ("lockstep",):
                             a = mode == "async"
+                            env_cpu0 = http.cpu_seconds() if http is not None else None
                             if http is not None:
                                 trajs, st = asyncio.run(http.run(specs, be, chat, params, turns, max_live, a))
                             else:
                                 trajs, st = asyncio.run(run_rollout(
                                     specs, local_factory(env_name, ENV_OPTIONS.get(env_name, {})), be, chat, params,
                                     turns, 2048, max_live=max_live, async_episodes=a))
+                            env_cpu = None if http is None else http.cpu_seconds() - env_cpu0
+                            replay = _replay_pure(be, trajs, params, max_live)
                             row = {"section": "rollout", "backend": name, "mode": mode, "env": env_name,
                                    "transport": transport, "episodes": n, "engine_start_s": start_s,
                                    "pure_gen_tok_s": pure, "rollout_tok_s": st.generated_tokens / st.wall_time_s,
@@ -128,6 +186,17 @@ def bench_rollout(episodes: list[int], turns: int, new_tokens: int, backends: li
                                    "episode_turns_s": st.env_steps / st.wall_time_s,
                                    "generator_idle_frac": st.gen_idle_frac,
                                    "rollout_vs_pure": (st.generated_tokens / st.wall_time_s) / pure,
+                                   "max_live": max_live, "pure_gen_at_cap_tok_s": pure_cap,
+                                   "rollout_vs_pure_at_cap": (None if pure_cap is None else
+                                                              (st.generated_tokens / st.wall_time_s) / pure_cap),
+                                   # the same prompts (with their histories) generated without envs
+                                   "pure_replay_tok_s": replay,
+                                   "rollout_vs_pure_replay": (st.generated_tokens / st.wall_time_s) / replay,
+                                   # CPU the env server (and its JVMs) took during the rollout, as a share of
+                                   # the machine's cores over the rollout's wall time
+                                   "env_cpu_s": env_cpu, "env_cpu_share": (None if env_cpu is None else
+                                                                           env_cpu / (st.wall_time_s *
+                                                                                      (os.cpu_count() or 1))),
                                    "masked": sum(t.masked for t in trajs), "wall_s": st.wall_time_s}
                             rows.append(row)
                             print(row, flush=True)
@@ -148,6 +217,65 @@ def bench_rollout(episodes: list[int], turns: int, new_tokens: int, backends: li
         if hasattr(be, "close"):
             be.close()
         del be
+    return rows
+
+
+def bench_evalscale(train_eps: int = 16, eval_eps: int = 96, turns: int = 4, reps: int = 2) -> list[dict]:
+    """Training rollout vs evaluation on one engine, as the smoke run does them (its preset, its KV plan)."""
+    from transformers import AutoTokenizer
+
+    from core.chat import ChatFormat
+    from flows.config import build_config
+    from tasks.backends.generation import SamplingParams
+    from tasks.backends.model import resolve_model
+    from tasks.backends.vllm_backend import backend_for, shutdown_engines
+    from tasks.rollout import EpisodeSpec
+
+    cfg = build_config("babyai", "smoke")
+    r = cfg.rollout
+    path = resolve_model(cfg.model.path)
+    tok = AutoTokenizer.from_pretrained(path)
+    chat = ChatFormat.from_tokenizer(tok)
+    t0 = time.time()
+    be = backend_for(cfg, path, tok)
+    start_s = time.time() - t0
+    http = _HttpEnvs("babyai", dict(cfg.env.options))
+    rows = []
+    try:
+        be.generate(_prompts(chat, 2), SamplingParams(4, 1.0))  # warm-up
+        for rep in range(reps):
+            for kind, n, params in (
+                    ("training", train_eps, SamplingParams(r.max_new_tokens, r.temperature)),
+                    ("evaluation", eval_eps, SamplingParams(r.max_new_tokens, 0.0)),
+                    # K > 1 evaluations sample at T = 1.0: replies as long as training's, like-for-like tok/s
+                    ("evaluation T=1", eval_eps, SamplingParams(r.max_new_tokens, 1.0))):
+                # training groups: tasks_per_step tasks x samples_per_task samples, each sample its own seed
+                k = r.samples_per_task if kind == "training" else 1
+                specs = [EpisodeSpec(task_id=1000 * rep + i // k, group_id=i // k) for i in range(n)]
+                # seeded per episode-turn, as the product samples (training and evaluation alike)
+                trajs, st = asyncio.run(http.run(specs, be, chat, params, turns, be.max_live_episodes,
+                                                 r.async_episodes, seed=cfg.seed + rep,
+                                                 budget=r.token_budget))
+                row = {"section": "evalscale", "kind": kind, "rep": rep, "episodes": n, "turns": turns,
+                       "temperature": params.temperature, "async_episodes": r.async_episodes,
+                       "max_live": be.max_live_episodes, "engine_start_s": start_s,
+                       "tok_s": st.generated_tokens / st.wall_time_s,
+                       "episode_turns_s": st.env_steps / st.wall_time_s,
+                       "tok_per_episode_turn": st.generated_tokens / max(st.env_steps, 1),
+                       "generator_idle_frac": st.gen_idle_frac, "wall_s": st.wall_time_s,
+                       "masked": sum(t.masked for t in trajs)}
+                rows.append(row)
+                print(row, flush=True)
+    finally:
+        http.close()
+        shutdown_engines()
+    for kind in ("evaluation", "evaluation T=1"):
+        for key in ("tok_s", "episode_turns_s"):
+            tr = statistics.median(x[key] for x in rows if x["kind"] == "training")
+            ev = statistics.median(x[key] for x in rows if x["kind"] == kind)
+            rows.append({"section": "evalscale", "kind": f"ratio {key}", "evaluation": kind, "eval_value": ev,
+                         "training_value": tr, "evaluation_vs_training": ev / tr})
+            print(rows[-1], flush=True)
     return rows
 
 
@@ -270,7 +398,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["rollout", "update", "env"], default=None)
+    ap.add_argument("--only", choices=["rollout", "update", "env", "evalscale"], default=None)
     ap.add_argument("--episodes", default="8,32,64")
     ap.add_argument("--turns", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -281,6 +409,8 @@ def main() -> None:
                     help="rollout: only the per-episode (async) pass (vLLM); default: async and lock-step")
     ap.add_argument("--lockstep", dest="lockstep_only", action="store_true",
                     help="rollout: only the lock-step pass; default: async and lock-step")
+    ap.add_argument("--sciworld-jvms", type=int, default=8,
+                    help="SciWorld JVMs of the env server = live SciWorld episodes (one JVM each)")
     ap.add_argument("--engines", default="torch,deepspeed-zero2")
     ap.add_argument("--update-seqs", type=int, default=8)
     ap.add_argument("--update-len", type=int, default=512)
@@ -289,6 +419,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
+    ENV_OPTIONS["sciworld"]["max_jvms"] = MAX_LIVE["sciworld"] = a.sciworld_jvms
     rows: list[dict] = []
     if a.only in (None, "rollout"):
         modes = tuple(m for m, only in (("lockstep", a.lockstep_only), ("async", a.async_only))
@@ -299,6 +430,8 @@ def main() -> None:
         rows += bench_update(a.update_seqs, a.update_len, a.engines.split(","))
     if a.only in (None, "env"):
         rows += bench_env(a.env_steps)
+    if a.only in (None, "evalscale"):
+        rows += bench_evalscale()
     out = Path(__file__).resolve().parent / "results" / f"engines-{a.only or 'all'}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(a), "rows": rows}, indent=2))

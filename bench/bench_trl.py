@@ -1,7 +1,7 @@
 """The same single-turn GRPO workload run by TRL's GRPOTrainer and by ScalingInter, side by side.
 
     pip install -e '.[bench]'        # trl==1.16.0 (optional; not installed by infra/install.sh)
-    python bench/bench_trl.py [--steps 3] [--only ours,trl] [--engine vllm|transformers]
+    python bench/bench_trl.py [--steps 3] [--only ours,ours-in-process,trl] [--engine vllm|transformers]
 
 Workload (both sides): SmolLM2-135M-Instruct; per step 8 prompts x 4 generations (temperature 1.0,
 <= 64 new tokens), prompts are BabyAI first-turn chat prompts (~250 tokens); reward 1 when the reply names
@@ -32,7 +32,11 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 LEVELS = "GoToObj,GoToRedBallGrey,GoToLocal"
 PROMPTS, GENS, NEW_TOKENS, MICRO = 8, 4, 64, 8
+MAX_LEN = 512  # our engine's max sequence length: prompt + reply
 LR, KL = 1e-6, 0.001
+# the sides: ours with the vLLM engine in its own processes (the default) or inside the trainer's process
+# (rollout.vllm_in_process), and TRL
+SIDES = ("ours", "ours-in-process", "trl")
 
 
 def babyai_prompts(n: int) -> list[dict]:
@@ -60,7 +64,7 @@ def _timings(step_times: list[float], tokens: list[int]) -> dict:
 
 
 # --- ScalingInter -----------------------------------------------------------------------------------------
-def run_ours(steps: int, engine: str) -> dict:
+def run_ours(steps: int, engine: str, in_process: bool = False) -> dict:
     import torch
     from transformers import AutoTokenizer
 
@@ -82,12 +86,20 @@ def run_ours(steps: int, engine: str) -> dict:
     if engine == "vllm":
         from tasks.backends.vllm_backend import VLLMBackend, export_fn, named_weights_fn
 
-        # KV cache sized to the workload: 32 sequences x ~210 tokens x ~46 KB (fp32) ~ 0.3 GiB
+        from core.kvcache import GiB, plan_kv_cache
+        from tasks.backends.vllm_backend import model_kv_bytes_per_token
+
+        # KV cache sized as the product sizes it: the batch's sequences x their token budget (prompts <= ~260
+        # tokens + 64 new) x the engine dtype's bytes per token
+        dtype = resolve_vllm_dtype(None)
+        plan = plan_kv_cache(PROMPTS * GENS, MAX_LEN, model_kv_bytes_per_token(path, dtype), 2 * GiB)
         # weight sync in memory (the default), or through an HF folder with --sync disk (the old path)
         memory = os.environ.get("BENCH_TRL_SYNC", "memory") == "memory"
-        backend = VLLMBackend(path, tok.eos_token_id, dtype=resolve_vllm_dtype(None), enforce_eager=True,
-                              max_model_len=1024, seed=0, kv_cache_gb=0.5, export_weights=export_fn(learner),
-                              named_weights=named_weights_fn(learner) if memory else None)
+        backend = VLLMBackend(path, tok.eos_token_id, dtype=dtype, enforce_eager=True,
+                              max_model_len=MAX_LEN, seed=0, kv_cache_gb=plan.cache_bytes / GiB,
+                              export_weights=export_fn(learner),
+                              named_weights=named_weights_fn(learner) if memory else None,
+                              in_process=in_process)
     else:
         backend = TransformersBackend(learner.model, tok.eos_token_id, tok.eos_token_id, 32, bf16)
     data = babyai_prompts(PROMPTS * steps)
@@ -125,7 +137,9 @@ def run_ours(steps: int, engine: str) -> dict:
     if hasattr(backend, "close"):
         backend.close()
     prompt_lens = [len(chat.prompt_ids(d["system"], d["user"])) for d in data]
-    return {"framework": f"scalinginter ({engine} + torch learner)", "precision": "bf16 autocast" if bf16 else "fp32",
+    where = ("in-process" if in_process else "own processes") if engine == "vllm" else ""
+    name = f"scalinginter ({engine}{', ' + where if where else ''} + torch learner)"
+    return {"framework": name, "precision": "bf16 autocast" if bf16 else "fp32",
             "mean_prompt_tokens": sum(prompt_lens) / len(prompt_lens), "mean_reward": rewards,
             "breakdown_s": {k: statistics.median(v[1:] or v) for k, v in parts.items()},
             **_timings(times, tokens)}
@@ -231,11 +245,12 @@ def run_child(which: str, steps: int, engine: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=3, help="training steps per side (the first is not timed)")
-    ap.add_argument("--only", default="ours,trl")
+    ap.add_argument("--only", default="ours,ours-in-process,trl",
+                    help="sides to run: ours (vLLM in its own processes), ours-in-process (rollout.vllm_in_process), trl")
     ap.add_argument("--engine", choices=["vllm", "transformers"], default="vllm", help="our generation backend")
     ap.add_argument("--sync", choices=["memory", "disk"], default=None,
                     help="vLLM weight sync: in memory (default) or through an HF folder (the old path)")
-    ap.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.sync:  # read by the "ours" child process
@@ -243,13 +258,18 @@ def main() -> None:
     if a.steps < 2:
         ap.error("--steps must be >= 2 (the first step is warm-up)")
     if a.worker:
-        if a.worker == "ours":
-            row = run_ours(a.steps, a.engine)
+        if a.worker.startswith("ours"):
+            row = run_ours(a.steps, a.engine, in_process=a.worker == "ours-in-process")
         else:
             row = run_trl(a.steps)
         Path(a.out).write_text(json.dumps(row))
         return
     which = [w.strip() for w in a.only.split(",") if w.strip()]
+    bad = [w for w in which if w not in SIDES]
+    if bad:
+        ap.error(f"--only: unknown {', '.join(bad)} (choose from {', '.join(SIDES)})")
+    if "ours-in-process" in which and a.engine != "vllm":
+        ap.error("ours-in-process is the vLLM engine inside the trainer's process: use --engine vllm")
     if "trl" in which:
         try:
             import trl  # noqa: F401
@@ -265,9 +285,11 @@ def main() -> None:
             print(f"{r['framework']}: per step " + ", ".join(f"{k} {v:.1f}" for k, v in r["breakdown_s"].items()))
         print(f"{r['framework']}: RSS at the peak " + ", ".join(f"{k} {v:.2f} GiB"
                                                               for k, v in r["rss_at_peak_gib"].items()))
-    if len(rows) == 2:
-        print(f"speed-up per step: {rows[1]['step_s'] / rows[0]['step_s']:.2f}x, "
-              f"memory ratio: {rows[0]['peak_rss_gib'] / rows[1]['peak_rss_gib']:.2f}")
+    trl_rows = [r for r in rows if r["framework"].startswith("trl")]
+    for r in rows:
+        if trl_rows and r is not trl_rows[0]:
+            print(f"{r['framework']} vs TRL: {trl_rows[0]['step_s'] / r['step_s']:.2f}x faster per step, "
+                  f"{r['peak_rss_gib'] / trl_rows[0]['peak_rss_gib']:.2f}x TRL's peak memory")
     res = ROOT / "bench" / "results" / f"trl-{time.strftime('%Y%m%d-%H%M%S')}.json"
     res.parent.mkdir(parents=True, exist_ok=True)
     res.write_text(json.dumps({"workload": {"prompts": PROMPTS, "generations": GENS, "max_new_tokens": NEW_TOKENS,

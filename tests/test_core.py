@@ -160,6 +160,8 @@ def test_presets_and_overrides():
     (["rollout.token_budget=20", "rollout.max_new_tokens=64"], "token_budget"),
     (["curriculum.phases=[]"], "curriculum"),
     (["novalue"], "key=value"),
+    (["rollout.vllm_in_process=true", "learner.engine=deepspeed"], "learner.engine=torch"),
+    (["rollout.vllm_in_process=true", "rollout.backend=transformers"], "rollout.backend=vllm"),
 ])
 def test_bad_config_says_how_to_fix(bad, needle):
     with pytest.raises(ConfigError, match=needle):

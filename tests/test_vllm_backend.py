@@ -70,7 +70,7 @@ def _max_mean_diff(a, b):
 
 
 def _engine_matches_learner_after_sync(device_ok: bool, dtype: str, autocast: bool, max_tol: float,
-                                       mean_tol: float, mutation_ratio: float = 3.0):
+                                       mean_tol: float, mutation_ratio: float = 3.0, in_process: bool = False):
     import torch
 
     from core.trajectory import Trajectory
@@ -84,7 +84,11 @@ def _engine_matches_learner_after_sync(device_ok: bool, dtype: str, autocast: bo
                                                temperature=1.0))
     seq = _fixed_sequence(learner.tokenizer)
     with VLLMBackend(path, learner.tokenizer.eos_token_id, dtype=dtype, enforce_eager=True, max_model_len=1024,
-                     kv_cache_gb=0.25, named_weights=named_weights_fn(learner)) as engine:
+                     kv_cache_gb=0.25, named_weights=named_weights_fn(learner), in_process=in_process) as engine:
+        import psutil
+
+        engines = [p.name() for p in psutil.Process().children(recursive=True) if "VLLM" in p.name()]
+        assert (engines == []) == in_process, engines  # in-process: no engine core or worker process
         # sampled log-probs (temperature 1) agree with the learner's recomputation of the same tokens
         prompt = seq[:-12]
         gens = engine.generate([prompt] * 4, SamplingParams(16, 1.0))
@@ -135,6 +139,20 @@ def _engine_matches_learner_after_sync(device_ok: bool, dtype: str, autocast: bo
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm not installed")
 def test_engine_logprobs_match_learner_after_weight_sync_fp32():
     _engine_matches_learner_after_sync(True, "float32", autocast=False, max_tol=1e-3, mean_tol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm not installed")
+def test_in_process_engine_matches_learner_after_weight_sync_fp32():
+    """rollout.vllm_in_process: the engine core and worker in this process, the same sync and the same log-probs."""
+    import torch
+
+    threads = torch.get_num_threads()
+    _engine_matches_learner_after_sync(True, "float32", autocast=False, max_tol=1e-3, mean_tol=1e-4, in_process=True)
+    torch.set_num_threads(threads)  # vLLM's no-op replacement is gone once the engine closed
+    torch.set_num_threads(1)
+    assert torch.get_num_threads() == 1
+    torch.set_num_threads(threads)
 
 
 @pytest.mark.slow

@@ -101,6 +101,25 @@ def to_generation(token_ids: list[int], logprob_dicts, eos_token_id: int, finish
     return Generation(toks, lps, "stop" if finish_reason == "stop" else "length")
 
 
+def _check_in_process() -> None:
+    """An in-process engine sets up its worker's torch.distributed group in this process: not beside a learner's
+    (DeepSpeed, several ranks)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        raise ValueError("rollout.vllm_in_process needs a process without torch.distributed (the engine's worker "
+                         "sets up its own group): use the torch learner on one rank, or vllm_in_process=false")
+
+
+def _uncache_vllm_envs() -> None:
+    try:
+        from vllm import envs
+
+        envs.disable_envs_cache()
+    except (ImportError, AttributeError):
+        pass
+
+
 class WorkerExtension:
     """Methods added to vLLM's workers (``worker_extension_cls``), called through ``collective_rpc``."""
 
@@ -236,6 +255,7 @@ class VLLMBackend:
         export_weights: Callable[[Path], None] | None = None,
         named_weights: Callable[[], Iterable[tuple[str, Any]]] | None = None,
         transport: str = "shm",
+        in_process: bool = False,
     ):
         self.model_path = str(model_path)
         self.eos_token_id = int(eos_token_id)
@@ -247,10 +267,21 @@ class VLLMBackend:
         self.sync_time_s = 0.0
         self.syncs = 0
         self._llm = None
+        self.in_process = bool(in_process)
         import vllm  # noqa: F401  (fail early with ImportError if missing)
 
         cpu = is_cpu_build()
         saved = {}
+        if self.in_process:
+            _check_in_process()
+            import torch
+
+            # vLLM's CPU worker replaces torch.set_num_threads with a no-op once it binds its threads: this process
+            # gets it back when the engine closes
+            self._set_num_threads = torch.set_num_threads
+            saved["VLLM_ENABLE_V1_MULTIPROCESSING"] = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            _uncache_vllm_envs()  # vLLM caches its env vars once an engine starts: read this one afresh
         if cpu:  # the engine core is a child process: its env is set here and restored afterwards
             for k, v in cpu_env(threads).items():
                 saved[k] = os.environ.get(k)
@@ -270,6 +301,8 @@ class VLLMBackend:
                           max_model_len=max_model_len, seed=seed, enable_prefix_caching=prefix_caching,
                           logprobs_mode="processed_logprobs", skip_tokenizer_init=False,
                           worker_extension_cls=f"{__name__}.WorkerExtension")
+            if self.in_process:  # engine core and worker in this process: no engine or worker process
+                kwargs["distributed_executor_backend"] = "uni"
             if cpu:
                 kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
                 # no partial prefills: vLLM rewinds a seeded request's generator after a chunked prefill step
@@ -289,6 +322,8 @@ class VLLMBackend:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+            if self.in_process:
+                _uncache_vllm_envs()
         self.start_time_s = time.time() - t0
         self.max_model_len = max_model_len
         self.dtype = str(self._llm.llm_engine.model_config.dtype).removeprefix("torch.")
@@ -477,6 +512,17 @@ class VLLMBackend:
         import gc
 
         gc.collect()
+        if self.in_process:  # the worker's process group lives in this process: end it with the engine
+            try:
+                from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+                destroy_model_parallel()
+                destroy_distributed_environment()
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+            import torch
+
+            torch.set_num_threads = self._set_num_threads
 
     def __enter__(self) -> "VLLMBackend":
         return self
@@ -602,7 +648,8 @@ def engine_settings(cfg, model_dir: str, eos_token_id: int, kv_cache_bytes: int)
     return {"model": model_signature(model_dir), "eos_token_id": int(eos_token_id),
             "dtype": resolve_vllm_dtype(r.vllm_dtype), "enforce_eager": bool(r.vllm_enforce_eager),
             "max_model_len": r.token_budget + 1, "seed": cfg.seed, "threads": cfg.model.threads,
-            "kv_cache_bytes": int(kv_cache_bytes), "prefix_caching": True, "gpu_memory_utilization": 0.3}
+            "kv_cache_bytes": int(kv_cache_bytes), "prefix_caching": True, "gpu_memory_utilization": 0.3,
+            "in_process": bool(r.vllm_in_process)}
 
 
 def settings_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
@@ -753,7 +800,7 @@ def _start_engine(cfg, model_dir: str, tokenizer, learner, dtype: str, plan) -> 
     backend = VLLMBackend(model_dir, tokenizer.eos_token_id, dtype=dtype, enforce_eager=r.vllm_enforce_eager,
                           max_model_len=r.token_budget + 1, seed=cfg.seed, threads=cfg.model.threads,
                           kv_cache_gb=plan.cache_bytes / GiB, export_weights=export_fn(learner),
-                          named_weights=named_weights_fn(learner))
+                          named_weights=named_weights_fn(learner), in_process=r.vllm_in_process)
     HOLDER.starts += 1
     if plan.capped and is_cpu_build():
         backend.max_live_episodes = plan.live_cap
