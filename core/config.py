@@ -100,10 +100,11 @@ class RolloutConfig(_Strict):
     vllm_kv_budget_gb: float = Field(
         2.0, gt=0, description="vLLM CPU: the most memory (GiB) the KV cache sized from the batch may take; when "
                                "the batch needs more, live episodes are capped to what fits (a warning says so).")
-    vllm_in_process: bool = Field(
-        False, description="vLLM: run the engine core and its worker inside the trainer's process (no engine or "
-                           "worker process: less memory, one copy of the runtime) instead of child processes. "
-                           "Torch learner on one rank only (the worker sets up its own torch.distributed group).")
+    vllm_in_process: bool | None = Field(
+        None, description="vLLM: run the engine core and its worker inside the trainer's process (no engine or "
+                          "worker process: ~1 GiB less memory on the smoke run, a faster engine start) instead of "
+                          "child processes. Needs the torch learner (the worker sets up its own torch.distributed "
+                          "group). None: in-process on the CPU build with the torch learner, else child processes.")
     tasks_per_step: int = Field(4, ge=1, description="Distinct tasks per training step.")
     samples_per_task: int = Field(4, ge=1, description="Episodes per task (the GRPO group size).")
     max_new_tokens: int = Field(64, ge=1, description="Max tokens the policy may generate per turn.")
@@ -274,7 +275,7 @@ class RunConfig(_Strict):
         if ln.engine == "deepspeed" and (ln.ranks > 1 or ln.zero_stage == 3) and self.rollout.backend != "vllm":
             raise ValueError("a multi-rank or ZeRO-3 DeepSpeed learner shares no model with the generator: "
                              "set rollout.backend=vllm (or learner.ranks=1 with zero_stage <= 2)")
-        if self.rollout.vllm_in_process and (ln.engine == "deepspeed" or self.rollout.backend != "vllm"):
+        if self.rollout.vllm_in_process is True and (ln.engine == "deepspeed" or self.rollout.backend != "vllm"):
             raise ValueError("rollout.vllm_in_process runs a vLLM engine beside the torch learner in one process: "
                              "it needs rollout.backend=vllm and learner.engine=torch")
         if ln.ranks > 1 and self.algo.estimator == "ppo":
