@@ -7,7 +7,10 @@ rollout: generated tok/s and env steps/s for N concurrent BabyAI (and SciWorld) 
   loop; envs in-process and behind a real env server over HTTP), per backend; pure generation tok/s on the same prompts; the fraction of rollout wall time the
   generator sat idle waiting for envs and episode-turns/s, per rollout mode: lock-step rounds and (vLLM) per-episode
   loops on the engine's continuous batching (--async / --lockstep: only that one; default both); a sequential
-  per-episode loop (batch 1) as the baseline.
+  per-episode loop (batch 1) as the baseline. Pure generation is measured three ways: the first-turn prompts at
+  once, the same in batches of the env's live cap (SciWorld: one JVM per live episode, ``--sciworld-jvms``), and a
+  replay of the rollout's own per-turn prompts (histories included, prefix cache reset) without envs; with the env
+  server's CPU share over the rollout (its JVMs compete with the generator for the cores).
 update: GRPO-step tokens/s of the torch and DeepSpeed ZeRO-2 learners (fp32, bf16 autocast) next to a bare
   fp32/bf16 matmul roofline measured in the same run.
 env: per-step latency p50/p99, BabyAI in-process vs over the HTTP server.

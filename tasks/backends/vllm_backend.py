@@ -288,7 +288,7 @@ class VLLMBackend:
             saved["VLLM_ENABLE_V1_MULTIPROCESSING"] = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             _uncache_vllm_envs()  # vLLM caches its env vars once an engine starts: read this one afresh
-        if cpu:  # the engine core is a child process: its env is set here and restored afterwards
+        if cpu:  # read by the engine core (a child process, or this one in-process): set here, restored afterwards
             for k, v in cpu_env(threads).items():
                 saved[k] = os.environ.get(k)
                 if k == "LD_PRELOAD" and saved[k]:
@@ -330,6 +330,10 @@ class VLLMBackend:
                     os.environ[k] = v
             if self.in_process:
                 _uncache_vllm_envs()
+                if self._llm is None:  # the engine did not start: this process keeps its own set_num_threads
+                    import torch
+
+                    torch.set_num_threads = self._set_num_threads
         self.start_time_s = time.time() - t0
         self.max_model_len = max_model_len
         self.dtype = str(self._llm.llm_engine.model_config.dtype).removeprefix("torch.")
