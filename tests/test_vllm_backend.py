@@ -56,6 +56,20 @@ def test_config_accepts_vllm_and_rejects_unknown_backend():
 
 
 # --- the real engine ---------------------------------------------------------------------------------------
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm not installed")
+def test_engine_in_process_is_auto_on_cpu_with_the_torch_learner():
+    from flows.config import build_config
+    from tasks.backends import vllm_backend as vb
+
+    cpu = vb.is_cpu_build()
+    assert vb.engine_in_process(build_config("babyai", "smoke")) == cpu
+    assert vb.engine_in_process(build_config("babyai", "smoke", ["rollout.vllm_in_process=false"])) is False
+    assert vb.engine_in_process(build_config("babyai", "smoke", ["rollout.vllm_in_process=true"])) is True
+    assert vb.engine_in_process(build_config("babyai", "smoke", ["learner.engine=deepspeed"])) is False
+    s = vb.engine_settings(build_config("babyai", "smoke", ["rollout.vllm_in_process=false"]), ".", 0, 1)
+    assert s["in_process"] is False  # part of what defines an engine: a change replaces the kept one
+
+
 def _fixed_sequence(tok):
     msgs = [{"role": "user", "content": "You are in a room with a red ball. Where is the ball?"},
             {"role": "assistant", "content": "The red ball is in front of me.\nAction: go to red ball 1"}]
@@ -83,12 +97,16 @@ def _engine_matches_learner_after_sync(device_ok: bool, dtype: str, autocast: bo
     learner = TorchLearner(path, LearnerConfig(lr=1e-3, kl_coef=0.0, micro_batch_size=2, bf16_autocast=autocast,
                                                temperature=1.0))
     seq = _fixed_sequence(learner.tokenizer)
+    import psutil
+
+    def engine_procs() -> set[int]:  # this process's vLLM children (an earlier test's may still be exiting)
+        return {p.pid for p in psutil.Process().children(recursive=True) if "VLLM" in p.name()}
+
+    before = engine_procs()
     with VLLMBackend(path, learner.tokenizer.eos_token_id, dtype=dtype, enforce_eager=True, max_model_len=1024,
                      kv_cache_gb=0.25, named_weights=named_weights_fn(learner), in_process=in_process) as engine:
-        import psutil
-
-        engines = [p.name() for p in psutil.Process().children(recursive=True) if "VLLM" in p.name()]
-        assert (engines == []) == in_process, engines  # in-process: no engine core or worker process
+        started = engine_procs() - before
+        assert (not started) == in_process, started  # in-process: no engine core or worker process started
         # sampled log-probs (temperature 1) agree with the learner's recomputation of the same tokens
         prompt = seq[:-12]
         gens = engine.generate([prompt] * 4, SamplingParams(16, 1.0))

@@ -107,6 +107,9 @@ def to_generation(token_ids: list[int], logprob_dicts, eos_token_id: int, finish
     return Generation(toks, lps, "stop" if finish_reason == "stop" else "length")
 
 
+_IN_PROCESS_ENGINES = 0  # live in-process engines (their worker's torch.distributed group is in this process)
+
+
 def _check_in_process() -> None:
     """An in-process engine sets up its worker's torch.distributed group in this process: not beside a learner's
     (DeepSpeed, several ranks)."""
@@ -334,6 +337,9 @@ class VLLMBackend:
                     import torch
 
                     torch.set_num_threads = self._set_num_threads
+        if self.in_process:
+            global _IN_PROCESS_ENGINES
+            _IN_PROCESS_ENGINES += 1
         self.start_time_s = time.time() - t0
         self.max_model_len = max_model_len
         self.dtype = str(self._llm.llm_engine.model_config.dtype).removeprefix("torch.")
@@ -523,6 +529,8 @@ class VLLMBackend:
 
         gc.collect()
         if self.in_process:  # the worker's process group lives in this process: end it with the engine
+            global _IN_PROCESS_ENGINES
+            _IN_PROCESS_ENGINES = max(0, _IN_PROCESS_ENGINES - 1)
             try:
                 from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
@@ -664,10 +672,17 @@ def engine_settings(cfg, model_dir: str, eos_token_id: int, kv_cache_bytes: int)
 
 def engine_in_process(cfg) -> bool:
     """Whether a ``RunConfig``'s engine runs inside this process: ``rollout.vllm_in_process`` when set, else on the
-    CPU build with the torch learner (a DeepSpeed learner has its own torch.distributed group)."""
+    CPU build with the torch learner, in a process without a torch.distributed group (a DeepSpeed learner has
+    its own)."""
     if cfg.rollout.vllm_in_process is not None:
         return bool(cfg.rollout.vllm_in_process)
-    return cfg.learner.engine == "torch" and is_cpu_build()
+    if cfg.learner.engine != "torch" or not is_cpu_build():
+        return False
+    import torch.distributed as dist
+
+    # a torch.distributed group this process's own in-process engines did not set up (a DeepSpeed learner ran
+    # here): child processes
+    return _IN_PROCESS_ENGINES > 0 or not (dist.is_available() and dist.is_initialized())
 
 
 def settings_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
@@ -815,10 +830,15 @@ def _start_engine(cfg, model_dir: str, tokenizer, learner, dtype: str, plan) -> 
     from core.kvcache import GiB
 
     r = cfg.rollout
+    in_process = engine_in_process(cfg)
+    if in_process and _IN_PROCESS_ENGINES > 0:  # one process holds one in-process engine (one distributed group)
+        print("note: this process already runs an in-process vLLM engine: the second one runs in its own processes",
+              flush=True)
+        in_process = False
     backend = VLLMBackend(model_dir, tokenizer.eos_token_id, dtype=dtype, enforce_eager=r.vllm_enforce_eager,
                           max_model_len=r.token_budget + 1, seed=cfg.seed, threads=cfg.model.threads,
                           kv_cache_gb=plan.cache_bytes / GiB, export_weights=export_fn(learner),
-                          named_weights=named_weights_fn(learner), in_process=engine_in_process(cfg))
+                          named_weights=named_weights_fn(learner), in_process=in_process)
     HOLDER.starts += 1
     if plan.capped and is_cpu_build():
         backend.max_live_episodes = plan.live_cap
