@@ -98,26 +98,28 @@ class _HttpEnvs:
         self.server.stop()
 
 
+def _generated_tokens(be, prompts, params, max_live) -> int:
+    """Generate ``prompts`` in consecutive batches of at most ``max_live`` (all at once when None): tokens made."""
+    step = max_live or len(prompts)
+    return sum(len(g.token_ids) for j in range(0, len(prompts), step)
+               for g in be.generate(prompts[j:j + step], params))
+
+
 def _replay_pure(be, trajs, params, max_live) -> float:
     """Pure generation of the rollout's own work: every turn's prompt as the episode saw it (its history), turn by
     turn, at most ``max_live`` at once, no env in between. Returns generated tok/s."""
+    from core.trajview import token_segments
+
     turns: dict[int, list[list[int]]] = {}
     for t in trajs:
-        k = 0
-        for i, m in enumerate(t.loss_mask):
-            if m and (i == 0 or not t.loss_mask[i - 1]):
-                turns.setdefault(k, []).append(t.token_ids[:i])
-                k += 1
+        for seg in token_segments(t.loss_mask, t.action_ends):
+            if seg.kind == "action":  # the turn's prompt is everything before its action
+                turns.setdefault(seg.turn, []).append(t.token_ids[:seg.start])
     reset = getattr(getattr(be, "_llm", None), "reset_prefix_cache", None)
     if reset is not None:
         reset()  # the rollout left these prompts cached: the replay pays their prefill as the rollout did
     t0 = time.time()
-    ntok = 0
-    for k in sorted(turns):
-        ps = turns[k]
-        step = max_live or len(ps)
-        for j in range(0, len(ps), step):
-            ntok += sum(len(g.token_ids) for g in be.generate(ps[j:j + step], params))
+    ntok = sum(_generated_tokens(be, turns[k], params, max_live) for k in sorted(turns))
     return ntok / (time.time() - t0)
 
 
@@ -167,9 +169,7 @@ def bench_rollout(episodes: list[int], turns: int, new_tokens: int, backends: li
                         pure_cap = None
                         if max_live is not None and max_live < n:
                             t = time.time()
-                            ntok = sum(len(g.token_ids) for k in range(0, n, max_live)
-                                       for g in be.generate(prompts[k:k + max_live], params))
-                            pure_cap = ntok / (time.time() - t)
+                            pure_cap = _generated_tokens(be, prompts, params, max_live) / (time.time() - t)
                         specs = [EpisodeSpec(task_id=i, group_id=i) for i in range(n)]
                         for mode in modes if hasattr(be, "request_engine") else ("lockstep",):
                             a = mode == "async"
