@@ -43,6 +43,28 @@ class ChatFormat:
         text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         return self.encode(text)
 
+    def window_prompt_ids(self, system: str, observations: list[str], actions: list[list[int]],
+                          stopped: list[bool], k: int) -> list[int]:
+        """The prompt of turn ``t = len(actions)`` under a history window of ``k`` turns: the instruction, the
+        last ``k`` turns (each reply's ids as sampled, then the observation that followed it) and the current
+        observation ``observations[t]``. The earliest turn shown opens the user message; when turns were left
+        out, a note says how many. For ``t <= k`` this is exactly the full-history sequence (``prompt_ids`` of
+        the first observation, then reply and ``env_turn_ids`` alternately), so a window never changes the first
+        ``k`` turns."""
+        t = len(actions)
+        if len(observations) != t + 1 or len(stopped) != t:
+            raise ValueError(f"turn {t} needs {t + 1} observations and {t} stop flags, got {len(observations)} "
+                             f"and {len(stopped)}")
+        if k < 0:
+            raise ValueError(f"history window k must be >= 0, got {k}")
+        first = max(0, t - k)
+        opening = observations[first] if first == 0 else f"[{first} earlier turns omitted]\n{observations[first]}"
+        ids = self.prompt_ids(system, opening)
+        for j in range(first, t):
+            ids += list(actions[j])
+            ids += self.env_turn_ids(observations[j + 1], stopped[j])
+        return ids
+
     def env_turn_ids(self, observation: str, reply_ended_with_eos: bool) -> list[int]:
         """Tokens appended after a policy turn: close the assistant turn, the observation as a user turn,
         and open the next assistant turn. If the sampled reply already ended with the EOS token that

@@ -119,6 +119,13 @@ class RolloutConfig(_Strict):
                           "turn is submitted as soon as its observation returns) instead of lock-step rounds that "
                           "wait for the slowest env step; same per-episode seeds and token caps. The transformers "
                           "backend always runs lock-step.")
+    history_turns: int | None = Field(
+        None, ge=0, description="History window: each turn's prompt holds the instruction, the last k turns (the "
+                                "policy's replies as sampled and the env's observations) and the current "
+                                "observation, so the prompt stops growing with the horizon; every turn is then its "
+                                "own training sample (its prompt, its reply tokens, the turn's advantage) and "
+                                "token_budget bounds each turn's prompt + reply. None: all turns (one growing "
+                                "sequence per episode).")
     max_live_episodes: int | None = Field(
         None, ge=1, description="Episodes running at once (train and eval); the next start as others end. None: "
                                 "all at once. Set it to what the env servers hold (browser contexts, JVMs) x "

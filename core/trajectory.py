@@ -4,6 +4,12 @@ A trajectory is one flat token sequence: the prompt (system + first observation,
 template), then for every turn the ids the policy sampled (loss mask 1) followed by the environment's
 reply wrapped in the chat template's own delimiters (loss mask 0). Ids are never decoded and re-encoded.
 Rewards are attached to the last *action* token of the turn that earned them.
+
+With a history window (``rollout.history_turns``) each turn is generated from a prompt of its own (the
+instruction, the last k turns and the current observation), so the trajectory is the concatenation of its
+turns' *samples*: ``segment_starts[k]`` is where turn k's sample (its prompt, then its reply) begins. Every
+sample is one sequence for the learner (``turn_samples``); the flat layout keeps the estimators unchanged:
+policy tokens, ``action_ends`` and rewards mean what they mean without a window.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ class Trajectory:
     masked: bool = False  # infrastructure failure: excluded from loss and metrics, never scored 0
     error: str = ""
     info: dict[str, Any] = field(default_factory=dict)
+    segment_starts: list[int] = field(default_factory=list)  # history window: where each turn's sample begins
 
     # -- building -------------------------------------------------------------------------------------
     def start(self, prompt_ids: list[int]) -> None:
@@ -62,6 +69,27 @@ class Trajectory:
         self.loss_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
 
+    def start_segment(self, prompt_ids: list[int]) -> None:
+        """History window: the next turn's sample starts here with its own prompt (loss mask 0). The first
+        sample is the trajectory's start (``start``), so the first call also marks segment 0."""
+        if not self.token_ids:
+            raise ValueError("start the trajectory before its next turn's sample")
+        if not self.segment_starts:
+            self.segment_starts.append(0)
+        self.segment_starts.append(len(self.token_ids))
+        self.add_env(prompt_ids)
+
+    @property
+    def segment_start(self) -> int:
+        """Where the sample of the turn being generated begins (0 without a history window)."""
+        return self.segment_starts[-1] if self.segment_starts else 0
+
+    @property
+    def context_ids(self) -> list[int]:
+        """The ids the policy's next turn is generated from: the current sample (the whole trajectory without
+        a history window)."""
+        return self.token_ids[self.segment_start:] if self.segment_starts else self.token_ids
+
     def finish(self, reason: str, success: bool = False) -> None:
         if reason not in FINISH_REASONS:
             raise ValueError(f"unknown finish reason {reason!r}; expected one of {FINISH_REASONS}")
@@ -89,6 +117,55 @@ class Trajectory:
         d["turns"] = self.turns
         d["reward"] = self.reward
         return d
+
+
+def segment_bounds(traj: Trajectory) -> list[tuple[int, int]]:
+    """[start, end) of each per-turn sample of ``traj``; one span, the whole sequence, without a history window."""
+    starts = traj.segment_starts or [0]
+    ends = starts[1:] + [len(traj.token_ids)]
+    return list(zip(starts, ends))
+
+
+def turn_samples(trajs: list[Trajectory]) -> tuple[list[Trajectory], list[tuple[int, int, int]]]:
+    """The learner's sequences: every trajectory without a history window as it is (the same object), one per
+    turn sample otherwise (a new ``Trajectory`` over its slice: same task, group, mask flag and finish reason;
+    the turn's own action end and reward). Also where each sample lies: ``(trajectory index, start, end)``.
+    Per-token rows of the samples map back onto the trajectories with ``join_rows``, and the other way with
+    ``split_rows``."""
+    samples: list[Trajectory] = []
+    where: list[tuple[int, int, int]] = []
+    for i, t in enumerate(trajs):
+        if not t.segment_starts:
+            samples.append(t)
+            where.append((i, 0, len(t.token_ids)))
+            continue
+        for a, b in segment_bounds(t):
+            k = [j for j, e in enumerate(t.action_ends) if a <= e < b]
+            s = Trajectory(task_id=t.task_id, group_id=t.group_id, token_ids=t.token_ids[a:b],
+                           loss_mask=t.loss_mask[a:b], logprobs=t.logprobs[a:b],
+                           prompt_len=next((p - a for p in range(a, b) if t.loss_mask[p]), b - a),
+                           action_ends=[t.action_ends[j] - a for j in k],
+                           turn_rewards=[t.turn_rewards[j] for j in k], success=t.success,
+                           finish_reason=t.finish_reason, masked=t.masked, error=t.error)
+            samples.append(s)
+            where.append((i, a, b))
+    return samples, where
+
+
+def join_rows(rows: list[list[float]], where: list[tuple[int, int, int]], lengths: list[int]) -> list[list[float]]:
+    """Per-token rows of the samples (``turn_samples``) as rows of the trajectories (``lengths``: their token
+    counts); a position no sample covers is 0."""
+    out = [[0.0] * n for n in lengths]
+    for row, (i, a, b) in zip(rows, where):
+        if len(row) != b - a:
+            raise ValueError(f"a sample row of {len(row)} values for a sample of {b - a} tokens")
+        out[i][a:b] = list(row)
+    return out
+
+
+def split_rows(rows: list[list[float]], where: list[tuple[int, int, int]]) -> list[list[float]]:
+    """Per-token rows of the trajectories cut into rows of their samples (``turn_samples``)."""
+    return [list(rows[i][a:b]) for i, a, b in where]
 
 
 def is_truncated(traj: Trajectory) -> bool:

@@ -127,15 +127,17 @@ class RolloutRequest:
     specs: list[EpisodeSpec]
     turn_limit: int
     params: SamplingParams
-    token_budget: int
+    token_budget: int  # per trajectory; with a history window per turn sample (its prompt + its reply)
     seed: int | None = None  # per-episode-turn seeds (``episode_seed``); None: the backend's own RNG
+    history_turns: int | None = None  # each turn's prompt shows the last k turns (``ChatFormat.window_prompt_ids``)
 
     @classmethod
     def for_tasks(cls, task_ids: list[int], samples: int, turn_limit: int, params: SamplingParams,
-                  token_budget: int, seed: int | None = None) -> "RolloutRequest":
+                  token_budget: int, seed: int | None = None,
+                  history_turns: int | None = None) -> "RolloutRequest":
         """``samples`` episodes of each task; the samples of a task form one group."""
         specs = [EpisodeSpec(task_id=t, group_id=g) for g, t in enumerate(task_ids) for _ in range(samples)]
-        return cls(specs, turn_limit, params, token_budget, seed)
+        return cls(specs, turn_limit, params, token_budget, seed, history_turns)
 
 
 @dataclass(frozen=True)
@@ -250,6 +252,13 @@ class _Episodes:
         self.envs = [rt.make_env(i) for i in range(self.n)]
         self.trajs = [Trajectory(task_id=s.task_id, group_id=s.group_id) for s in req.specs]
         self.texts: list[list[str]] = [[] for _ in req.specs]
+        if req.history_turns is not None and req.history_turns < 0:
+            raise ValueError("history_turns must be >= 0 (or None for all turns)")
+        # history window: each episode's instruction, observations, sampled reply ids and whether each reply stopped
+        self.instructions = [""] * self.n
+        self.seen: list[list[str]] = [[] for _ in req.specs]
+        self.replies: list[list[list[int]]] = [[] for _ in req.specs]
+        self.stopped: list[list[bool]] = [[] for _ in req.specs]
 
     def reset(self, i: int) -> Awaitable[EnvReply]:
         return self.envs[i].reset(self.req.specs[i].task_id)
@@ -264,9 +273,12 @@ class _Episodes:
             tr.finish("env_error")
             return False
         prompt = self.chat.prompt_ids(r.instruction, r.observation)
+        self.instructions[i], self.seen[i] = r.instruction, [r.observation]
         tr.info["first_observation"] = r.observation
         if r.info.get("category") is not None:  # the env's task category (per-category eval scores)
             tr.info["category"] = str(r.info["category"])
+        if r.info.get("required_turns") is not None:  # the fewest turns an expert needs (results by horizon)
+            tr.info["required_turns"] = int(r.info["required_turns"])
         tr.start(prompt)
         if len(prompt) + 1 >= self.req.token_budget:
             tr.finish("token_budget")
@@ -275,7 +287,7 @@ class _Episodes:
 
     def turn_cap(self, i: int) -> int:
         """Episode ``i``'s max new tokens this turn: the per-turn cap, or what its token budget has left if less."""
-        return min(self.req.params.max_new_tokens, self.req.token_budget - len(self.trajs[i].token_ids))
+        return min(self.req.params.max_new_tokens, self.req.token_budget - len(self.trajs[i].context_ids))
 
     def turn_seed(self, i: int) -> int:
         """Episode ``i``'s sampling seed this turn (the request has a seed)."""
@@ -289,6 +301,8 @@ class _Episodes:
     def act(self, i: int, g: Generation) -> None:
         """Record episode ``i``'s turn: the sampled ids and log-probs as they are, and the reply's text."""
         self.trajs[i].add_action(g.token_ids, g.logprobs)
+        self.replies[i].append(list(g.token_ids))
+        self.stopped[i].append(g.finish == "stop")
         self.stats.generated_tokens += len(g.token_ids)
         self.texts[i].append(self.chat.tokenizer.decode(g.token_ids, skip_special_tokens=True))
 
@@ -299,7 +313,16 @@ class _Episodes:
     def apply_reply(self, i: int, r: EnvReply | Exception, g: Generation) -> bool:
         """Count the env step and apply its reply to episode ``i``'s turn (``g``); True if the episode goes on."""
         self.stats.env_steps += 1
-        return _apply_reply(self.trajs[i], r, self.limits[i], self.req.token_budget, self.chat, g.finish == "stop")
+        k = self.req.history_turns
+        if k is None:
+            return _apply_reply(self.trajs[i], r, self.limits[i], self.req.token_budget,
+                                lambda obs: self.chat.env_turn_ids(obs, g.finish == "stop"))
+
+        def next_sample(obs: str) -> list[int]:  # the next turn's own prompt (a new sample of the trajectory)
+            self.seen[i].append(obs)
+            return self.chat.window_prompt_ids(self.instructions[i], self.seen[i], self.replies[i], self.stopped[i], k)
+
+        return _apply_reply(self.trajs[i], r, self.limits[i], self.req.token_budget, next_sample, new_sample=True)
 
     def close(self, i: int) -> Awaitable[EnvReply | Exception]:
         """Close episode ``i``'s env: a finished episode gives its env (and its pool slot) back at once."""
@@ -315,11 +338,13 @@ class _Episodes:
         return self.trajs, self.stats
 
 
-def _apply_reply(tr: Trajectory, r: EnvReply | Exception, limit: int, token_budget: int, chat: ChatFormat,
-                 stopped: bool) -> bool:
-    """Record the env's reply to the episode's last action; True if the episode goes on to another turn (its
-    observation appended as env tokens), False once it ended (env error, terminated, turn limit, the env's own
-    step budget, or no room left in the token budget)."""
+def _apply_reply(tr: Trajectory, r: EnvReply | Exception, limit: int, token_budget: int,
+                 next_ids: Callable[[str], list[int]], new_sample: bool = False) -> bool:
+    """Record the env's reply to the episode's last action; True if the episode goes on to another turn, False
+    once it ended (env error, terminated, turn limit, the env's own step budget, or no room left in the token
+    budget). The episode goes on with ``next_ids(observation)``: the observation's env tokens appended to the
+    sequence, or (``new_sample``, a history window) the next turn's own prompt, which starts a new sample and
+    alone counts against the token budget."""
     if isinstance(r, Exception):
         tr.error = f"step {tr.turns}: {type(r).__name__}: {r}"
         tr.finish("env_error")
@@ -342,11 +367,14 @@ def _apply_reply(tr: Trajectory, r: EnvReply | Exception, limit: int, token_budg
         tr.finish("failure")
         tr.info["env_truncated"] = True
         return False
-    env_ids = chat.env_turn_ids(r.observation, stopped)
-    if len(tr.token_ids) + len(env_ids) + 1 > token_budget:
+    env_ids = next_ids(r.observation)
+    if (0 if new_sample else len(tr.token_ids)) + len(env_ids) + 1 > token_budget:
         tr.finish("token_budget")
         return False
-    tr.add_env(env_ids)
+    if new_sample:
+        tr.start_segment(env_ids)
+    else:
+        tr.add_env(env_ids)
     return True
 
 
@@ -416,7 +444,7 @@ def _generate_round(backend: GenerationBackend, ep: _Episodes, live: list[int]) 
     for n_new, idx in by_cap.items():
         seeds = None if ep.req.seed is None else tuple(ep.turn_seed(i) for i in idx)
         p = SamplingParams(n_new, ep.req.params.temperature, ep.req.params.top_p, seeds)
-        for i, g in zip(idx, backend.generate([ep.trajs[i].token_ids for i in idx], p)):
+        for i, g in zip(idx, backend.generate([ep.trajs[i].context_ids for i in idx], p)):
             gens[i] = g
     return gens
 
@@ -493,7 +521,7 @@ async def _episodes_pass(req: RolloutRequest, rt: RolloutRuntime,
     async def generate(i: int) -> Generation:
         p = ep.turn_params(i)
         with _busy(flight_clock):
-            return await driver.submit(list(ep.trajs[i].token_ids), p)
+            return await driver.submit(list(ep.trajs[i].context_ids), p)
 
     async def play(i: int) -> None:
         """Episode ``i`` from its reset to its end, one turn after another."""

@@ -30,7 +30,7 @@ from core.redact import redact_uri
 from core.chat import ChatFormat
 from core.config import RunConfig
 from core.metrics import episode_metrics
-from core.trajectory import Trajectory
+from core.trajectory import Trajectory, join_rows, split_rows, turn_samples
 from envs.base import task_index
 from tasks.killpoint import kill_point
 from tasks.timing import timed
@@ -244,9 +244,10 @@ def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, tur
 
     params = SamplingParams(max_new_tokens, temperature, s.cfg.rollout.top_p)
     if specs is None:
-        req = RolloutRequest.for_tasks(task_ids, samples, turn_limit, params, s.cfg.rollout.token_budget, seed)
+        req = RolloutRequest.for_tasks(task_ids, samples, turn_limit, params, s.cfg.rollout.token_budget, seed,
+                                       s.cfg.rollout.history_turns)
     else:  # the caller's episodes (an eval sweep: each with its own turn budget and seed key)
-        req = RolloutRequest(specs, turn_limit, params, s.cfg.rollout.token_budget, seed)
+        req = RolloutRequest(specs, turn_limit, params, s.cfg.rollout.token_budget, seed, s.cfg.rollout.history_turns)
     specs = req.specs
 
     async def go():
@@ -342,17 +343,36 @@ def compute_advantages(key: str, batch: Batch) -> Advantages:
     trajs = batch.trajectories
     a = s.cfg.algo
     spec = get_estimator(a.estimator)
-    prepared = s.learner.prepare(trajs, old_for_reward=spec.kl_in_reward)
+    # the learner's sequences: the episodes, or one per turn under a history window (its own prompt and reply);
+    # per-token quantities come back onto the episodes, where the estimator runs as without a window
+    samples, where = turn_samples(trajs)
+    prepared = s.learner.prepare(samples, old_for_reward=spec.kl_in_reward)
+    lengths = [len(t.token_ids) for t in trajs]
+
+    def per_token(which: str) -> list[list[float]]:
+        return join_rows(s.learner.per_token(samples, prepared, which), where, lengths)
+
     params = EstimatorParams(gamma=a.gamma, lam=a.lam, normalize_std=a.normalize_std, whiten=a.whiten_advantages,
                              kl_coef=a.kl_coef)
     advantages, returns, stats = trajectory_advantages(
         a.estimator, params, trajs,
-        values=s.learner.per_token(trajs, prepared, "values") if spec.needs_critic else None,
-        kl=s.learner.per_token(trajs, prepared, "kl") if spec.kl_in_reward else None,
-        final_values=s.learner.final_values(trajs, prepared) if spec.needs_critic else None)
+        values=per_token("values") if spec.needs_critic else None,
+        kl=per_token("kl") if spec.kl_in_reward else None,
+        final_values=_last_sample_values(s.learner.final_values(samples, prepared), where, len(trajs))
+        if spec.needs_critic else None)
     for t, adv in zip(trajs, advantages):  # kept with the episode: the rollout Parquet stores what was trained on
         t.info["advantages"] = adv
     return Advantages(advantages, returns, prepared, stats)
+
+
+def _last_sample_values(values: list[float] | None, where: list[tuple[int, int, int]], n: int) -> list[float] | None:
+    """Per trajectory, the value after its last sample (the state a truncated episode is bootstrapped from)."""
+    if values is None:
+        return None
+    out = [0.0] * n
+    for v, (i, _, _) in zip(values, where):  # samples come in order: a trajectory's last one is written last
+        out[i] = float(v)
+    return out
 
 
 @task(name="policy-update", **TASK_OPTS)
@@ -360,7 +380,9 @@ def compute_advantages(key: str, batch: Batch) -> Advantages:
 def policy_update(key: str, batch: Batch, adv: Advantages) -> dict[str, float]:
     """One update of the policy (and critic) on ``batch`` with ``adv``; the generation engine gets the new weights."""
     s = get_session(key)
-    out = s.learner.update(batch.trajectories, adv.advantages, prepared=adv.prepared, returns=adv.returns)
+    samples, where = turn_samples(batch.trajectories)  # the sequences ``compute_advantages`` prepared, in its order
+    out = s.learner.update(samples, split_rows(adv.advantages, where), prepared=adv.prepared,
+                           returns=None if adv.returns is None else split_rows(adv.returns, where))
     kill_point("update")  # test hook (tasks.killpoint): a no-op unless $SCALINGINTER_KILL_AT names it
     adv.prepared = None  # the old/ref log-probs of this batch are spent; free them before the next rollout
     with timed("weight_sync"):
@@ -423,7 +445,8 @@ def evaluate_sweep(key: str, urls: list[str], task_ids: list[int], turn_limits: 
         write_rollout_parquet(trajs, Path(episodes_path), phase=0, step=0)
     outcomes = [{"task_id": sp.task_id, "turn_limit": sp.turn_limit, "sample": sp.seed_key - sp.task_id * MAX_EVAL_SAMPLES,
                  "success": None if t.masked else bool(t.success), "reward": t.reward, "turns": t.turns,
-                 "category": t.info.get("category"), "finish_reason": t.finish_reason}
+                 "category": t.info.get("category"), "required_turns": t.info.get("required_turns"),
+                 "finish_reason": t.finish_reason}
                 for sp, t in zip(specs, trajs)]
     stats = {k: m[k] for k in ("rollout_time_s", "generated_tokens", "gen_tokens_per_s", "env_steps_per_s",
                                "retried_episodes", "env_servers_replaced") if k in m}
@@ -475,7 +498,8 @@ ROLLOUT_ROW_GROUP = 32  # episodes per Parquet row group: the trajectory viewer 
 
 def write_rollout_parquet(trajs: list[Trajectory], path: Path, phase: int, step: int) -> None:
     """One row per episode. Besides the token-exact fields, what the trajectory viewer shows: the episode's
-    category, return and turn limit, the token offsets of the turns (``prompt_len``, ``action_ends``), the text of
+    category, return and turn limit, the token offsets of the turns (``prompt_len``, ``action_ends``; with a history
+    window ``segment_starts``, where each turn's own sample begins), the text of
     every turn (first observation, replies, observations), the env's parsed action per turn and whether it was
     invalid, and the per-token advantage the update used (null where the step computed none). Readers must accept
     files without these columns (written before they existed)."""
@@ -501,6 +525,7 @@ def write_rollout_parquet(trajs: list[Trajectory], path: Path, phase: int, step:
         "error": pa.array([t.error for t in trajs], pa.string()),
         "prompt_len": pa.array([t.prompt_len for t in trajs], pa.int32()),
         "action_ends": pa.array([t.action_ends for t in trajs], ints),
+        "segment_starts": pa.array([t.segment_starts for t in trajs], ints),
         "first_observation": pa.array(info("first_observation"), pa.string()),
         "replies": pa.array(info("replies"), strs),
         "observations": pa.array(info("observations"), strs),
