@@ -33,6 +33,8 @@ def run(
     set_: list[str] = typer.Option([], "--set", "-s", help="Override a config value: key.path=value (repeatable)."),
     run_name: Optional[str] = typer.Option(None, "--run-name", help="Run name; the same name resumes a run."),
     print_config: bool = typer.Option(False, "--print-config", help="Print the resolved config and exit."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Check the context, KV cache and memory plan without "
+                                                         "training; exit 0, or 2 with the setting to change."),
 ):
     """Run a ScalingInter curriculum (e.g. `scalinginter run babyai --preset smoke`)."""
     from flows.config import ConfigError, build_config
@@ -47,6 +49,17 @@ def run(
         _fail(str(e))
     if print_config:
         typer.echo(cfg.model_dump_json(indent=2))
+        if not dry_run:
+            return
+    if dry_run:
+        from flows.dryrun import dry_run as plan_run
+
+        plan = plan_run(cfg)
+        for line in plan.lines:
+            typer.echo(line)
+        if plan.errors:
+            _fail(plan.errors[0] + (f" (and {len(plan.errors) - 1} more)" if len(plan.errors) > 1 else ""))
+        typer.echo(f"dry run: {env}{' --preset ' + preset if preset else ''} would start")
         return
     from flows.scalinginter import check_run_resume, scalinginter
 

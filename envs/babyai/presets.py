@@ -49,7 +49,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "paper": {
         "curriculum": {"phases": [{"turn_limit": 6, "steps": 100}, {"turn_limit": 13, "steps": 100},
                                   {"turn_limit": 20, "steps": 100}]},
-        "rollout": {"tasks_per_step": 32, "samples_per_task": 8, "max_new_tokens": 512, "token_budget": 14000},
+        # 20 turns x 512 reply tokens overflow SmolLM2's 8,192-token context: each turn's prompt holds the last 2
+        # turns (history window), and the token budget bounds one turn's sample (prompt + reply)
+        "rollout": {"tasks_per_step": 32, "samples_per_task": 8, "max_new_tokens": 512, "token_budget": 4096,
+                    "history_turns": 2},
         "algo": {"lr": 1e-6, "kl_coef": 0.001},
         "eval": {"n": 90},
     },

@@ -25,7 +25,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "curriculum": {"phases": [{"turn_limit": 10, "steps": 100}, {"turn_limit": 20, "steps": 100},
                                   {"turn_limit": 30, "steps": 100}]},
         "rollout": {"max_live_episodes": 256,
-                    "tasks_per_step": 32, "samples_per_task": 8, "max_new_tokens": 512, "token_budget": 14000},
+                    "tasks_per_step": 32, "samples_per_task": 8, "max_new_tokens": 512, "token_budget": 6144,
+                    "history_turns": 2},  # 30 turns x 512 tokens overflow an 8,192-token context: a 2-turn window
         "algo": {"lr": 1e-6, "kl_coef": 0.001},
         "eval": {"n": 100},
     },

@@ -24,7 +24,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "env": {"options": {"topk": 3}, "task_pool": 3160},
         "curriculum": {"phases": [{"turn_limit": 5, "steps": 100}, {"turn_limit": 8, "steps": 100},
                                   {"turn_limit": 10, "steps": 100}]},
-        "rollout": {"tasks_per_step": 32, "samples_per_task": 8, "max_new_tokens": 512, "token_budget": 8192,
+        "rollout": {"tasks_per_step": 32, "samples_per_task": 8, "max_new_tokens": 512, "token_budget": 8000,
                     "temperature": 1.0},
         "algo": {"lr": 1e-6, "kl_coef": 0.001},
         "eval": {"n": 500, "turn_limit": 10},

@@ -36,7 +36,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "paper": {
         "curriculum": {"phases": [{"turn_limit": 10, "steps": 100}, {"turn_limit": 20, "steps": 100},
                                   {"turn_limit": 30, "steps": 100}]},
-        "rollout": {"tasks_per_step": 32, "samples_per_task": 8, "max_new_tokens": 512, "token_budget": 14000},
+        # 30 turns x 512 reply tokens overflow the default model's 8,192-token context: a 2-turn history window,
+        # the token budget per turn's sample (prompt + reply)
+        "rollout": {"tasks_per_step": 32, "samples_per_task": 8, "max_new_tokens": 512, "token_budget": 4096,
+                    "history_turns": 2},
         "algo": {"lr": 1e-6, "kl_coef": 0.001},
         "eval": {"n": 100},
     },

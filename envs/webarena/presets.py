@@ -24,7 +24,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "curriculum": {"phases": [{"turn_limit": 8, "steps": 80}, {"turn_limit": 12, "steps": 80},
                                   {"turn_limit": 15, "steps": 80}]},
         "rollout": {"max_live_episodes": 16,
-                    "tasks_per_step": 4, "samples_per_task": 4, "max_new_tokens": 512, "token_budget": 14000},
+                    "tasks_per_step": 4, "samples_per_task": 4, "max_new_tokens": 512, "token_budget": 8000,
+                    "history_turns": 2},  # pages of up to 6,000 characters: the last 2 turns fit an 8,192 context
         "algo": {"lr": 1e-6, "kl_coef": 0.001},
         "eval": {"n": 18},
     },
