@@ -158,7 +158,7 @@ def evaluate(cfg: RunConfig, checkpoint_ref: str, split: str = "test", n: int = 
     if turn_limits is None:
         turn_limits = [int(state.get("turn_limit") or cfg.eval_turn_limit)]
         _check_sweep(samples, turn_limits)
-    _check_context(model_dirs, turn_limits, max_new)
+    _check_context(model_dirs, turn_limits, max_new, cfg.rollout.history_turns)
     options, source = _env_options(cfg, trained, env_options)
     cfg = cfg.model_copy(update={"env": cfg.env.model_copy(update={"options": options})})
 
@@ -235,15 +235,18 @@ def _model_dirs(cfg: RunConfig, checkpoint_ref: str, compare_ref: str | None) ->
     return model_dirs
 
 
-def _check_context(model_dirs: dict[str, str], turn_limits: list[int], max_new: int) -> None:
-    """The largest turn budget's new tokens must fit in every model's context."""
+def _check_context(model_dirs: dict[str, str], turn_limits: list[int], max_new: int,
+                   history_turns: int | None = None) -> None:
+    """The new tokens of the largest turn budget (with a history window of k turns: of the k + 1 turns one turn's
+    prompt and reply hold) must fit in every model's context."""
     for name, d in model_dirs.items():
         ctx = _context_length(d)
-        need = max(turn_limits) * max_new
+        shown = max(turn_limits) if history_turns is None else min(max(turn_limits), history_turns + 1)
+        need = shown * max_new
         if ctx is not None and need > ctx:
-            raise EvalInputError(f"turn budget {max(turn_limits)} x {max_new} new tokens per turn = {need} tokens is "
+            raise EvalInputError(f"turn budget {shown} x {max_new} new tokens per turn = {need} tokens is "
                                  f"beyond the context of {name} ({ctx} tokens): lower --turn-limits or "
-                                 "--max-new-tokens")
+                                 "--max-new-tokens, or set a history window (--set rollout.history_turns=2)")
 
 
 def _env_options(cfg: RunConfig, trained: RunConfig | None,
@@ -267,7 +270,8 @@ def _header(cfg: RunConfig, split: str, ids: list[int], samples: int, greedy: bo
               f"({'greedy' if greedy else f'temperature {temperature:g}'}) x turn budgets "
               f"{','.join(map(str, turn_limits))}, {max_new} new tokens per turn; env options "
               f"{json.dumps(options, sort_keys=True) if options else '{}'} ({where})")
-    if max(turn_limits) * max_new > cfg.rollout.token_budget:
+    window = cfg.rollout.history_turns  # with a history window the budget bounds one turn's sample
+    if (max(turn_limits) if window is None else min(max(turn_limits), window + 1)) * max_new > cfg.rollout.token_budget:
         header += (f"\nnote: episodes at the largest budgets may end at the token budget "
                    f"(rollout.token_budget={cfg.rollout.token_budget}); raise it with --set rollout.token_budget=N")
     return header
