@@ -158,6 +158,11 @@ def evaluate(cfg: RunConfig, checkpoint_ref: str, split: str = "test", n: int = 
     if turn_limits is None:
         turn_limits = [int(state.get("turn_limit") or cfg.eval_turn_limit)]
         _check_sweep(samples, turn_limits)
+    if cfg.rollout.history_turns is None and trained is not None and trained.rollout.history_turns is not None:
+        # a checkpoint trained with a history window is scored with the prompts it learned from
+        cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(
+            update={"history_turns": trained.rollout.history_turns})})
+        print(f"history window: {cfg.rollout.history_turns} turns (as trained)")
     _check_context(model_dirs, turn_limits, max_new, cfg.rollout.history_turns)
     options, source = _env_options(cfg, trained, env_options)
     cfg = cfg.model_copy(update={"env": cfg.env.model_copy(update={"options": options})})
