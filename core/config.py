@@ -21,6 +21,10 @@ class EnvConfig(_Strict):
     options: dict[str, Any] = Field(default_factory=dict, description="Constructor options of the env.")
     num_servers: int = Field(1, ge=1, description="Env server processes spawned for a phase.")
     url: str | None = Field(None, description="Use an already running env server instead of spawning one.")
+    urls: list[str] | None = Field(
+        None, description="Several running env servers (on other hosts too) instead of spawning: episodes are "
+                          "spread over them by free capacity (each server's /health pool size). env.url is the "
+                          "same with one URL; set one of the two.")
     runtime: Literal["auto", "process", "docker"] = Field(
         "auto", description="How spawned env servers run: docker (containers through the Docker SDK, images from "
                             "infra/docker/), process (local subprocesses), auto (containers when a Docker daemon "
@@ -33,11 +37,30 @@ class EnvConfig(_Strict):
     request_timeout_s: float = Field(60.0, gt=0, description="Timeout of one env HTTP call.")
     task_pool: int = Field(100_000, ge=1, description="Train tasks are drawn from data_idx in [0, task_pool).")
 
+    @field_validator("urls", mode="before")
+    @classmethod
+    def _split_urls(cls, v: Any) -> Any:
+        """``[http://a:1,http://b:2]`` or ``http://a:1,http://b:2`` (how --set passes a list that is not JSON)."""
+        if isinstance(v, str):
+            v = [p.strip().strip("'\"") for p in v.strip().removeprefix("[").removesuffix("]").split(",")]
+            v = [p for p in v if p]
+        return v
+
     @model_validator(mode="after")
     def _dialect_needs_url(self):
-        if self.dialect == "agentgym" and not self.url:
+        if self.url and self.urls:
+            raise ValueError("env.url and env.urls are both set: give one server as env.url or all of them as "
+                             "env.urls=[http://host1:port,http://host2:port]")
+        if self.urls is not None and not self.urls:
+            raise ValueError("env.urls is empty: list at least one env server URL, or drop it to spawn servers")
+        if self.dialect == "agentgym" and not (self.url or self.urls):
             raise ValueError("env.dialect=agentgym talks to a running AgentGym server: set env.url=http://host:port")
         return self
+
+    @property
+    def server_urls(self) -> list[str] | None:
+        """The running env servers this config names (env.urls, or env.url as one), None: spawn them."""
+        return list(self.urls) if self.urls else ([self.url] if self.url else None)
 
 
 class ModelConfig(_Strict):
@@ -47,6 +70,17 @@ class ModelConfig(_Strict):
                           "where the hardware has native bf16 (AMX / AVX512-BF16 CPU, bf16 GPU), off elsewhere "
                           "(emulated bf16 on an AVX2 CPU is ~40x slower than fp32).")
     threads: int | None = Field(None, ge=1, description="torch CPU threads (default: all cores).")
+    device: str = Field("auto", description="Where the learner, critic, reference model and transformers "
+                                            "generation run: auto (the CUDA GPU when torch sees one, else the CPU), "
+                                            "cpu, cuda or cuda:N. vLLM picks its own device (its build: CUDA or CPU).")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        s = str(v).strip().lower()
+        if s in ("auto", "cpu", "cuda") or (s.startswith("cuda:") and s[5:].isdigit()):
+            return s
+        raise ValueError(f"model.device must be auto, cpu, cuda or cuda:N, got {v!r}")
 
 
 class PhaseConfig(_Strict):
@@ -105,6 +139,17 @@ class RolloutConfig(_Strict):
                           "worker process: ~1 GiB less memory on the smoke run, a faster engine start) instead of "
                           "child processes. Needs the torch learner (the worker sets up its own torch.distributed "
                           "group). None: in-process on the CPU build with the torch learner, else child processes.")
+    gpu_memory_utilization: float = Field(
+        0.3, gt=0, le=1, description="vLLM on a GPU: the fraction of each GPU's memory the engine may take (weights, "
+                                     "activations, KV cache); the learner uses the rest when they share the GPU. "
+                                     "Ignored by the CPU build (see vllm_kv_cache_gb).")
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM on GPUs: shard the engine over this many GPUs "
+                                                           "(1 on the CPU build).")
+    vllm_sleep: bool | None = Field(
+        None, description="vLLM sleep mode: the engine offloads its weights and drops its KV cache while the "
+                          "learner updates (sleep level 1) and wakes before the weight sync and the next rollout, so "
+                          "both fit one GPU. None: on when a CUDA engine shares the GPU with a learner in this "
+                          "process; the CPU build has no sleep mode.")
     tasks_per_step: int = Field(4, ge=1, description="Distinct tasks per training step.")
     samples_per_task: int = Field(4, ge=1, description="Episodes per task (the GRPO group size).")
     max_new_tokens: int = Field(64, ge=1, description="Max tokens the policy may generate per turn.")
@@ -224,6 +269,28 @@ class LearnerEngineConfig(_Strict):
     ranks: int = Field(1, ge=1, description="DeepSpeed data-parallel ranks (>1: launched with torchrun).")
     offload_optimizer: bool = Field(False, description="DeepSpeed: CPU Adam with the optimizer state offloaded.")
     config_path: str | None = Field(None, description="DeepSpeed JSON config (default: infra/deepspeed/zero<stage>.json).")
+    nodes: int = Field(1, ge=1, description="DeepSpeed across machines: nodes of learner.ranks ranks each, joined by "
+                                            "torchrun's c10d rendezvous at master_addr:master_port (the run's machine "
+                                            "is node 0; the others run `python -m tasks.backends.deepspeed_learner "
+                                            "join`, see README 'Beyond one machine').")
+    node_rank: int = Field(0, ge=0, description="This machine's node (0: the run's; the join command of the other "
+                                                "nodes takes theirs).")
+    master_addr: str | None = Field(None, description="Address of node 0 the other nodes reach (rendezvous and the "
+                                                      "run's control connection). Needed when nodes > 1.")
+    master_port: int = Field(29500, ge=1, le=65534, description="Rendezvous port on master_addr; the run's control "
+                                                                "connection listens on master_port + 1.")
+
+    @model_validator(mode="after")
+    def _nodes(self):
+        if self.nodes > 1:
+            if self.engine != "deepspeed":
+                raise ValueError("learner.nodes > 1 needs learner.engine=deepspeed")
+            if not self.master_addr:
+                raise ValueError("learner.nodes > 1: set learner.master_addr to node 0's address the other nodes "
+                                 "reach (and learner.master_port, default 29500)")
+        if self.node_rank >= self.nodes:
+            raise ValueError(f"learner.node_rank ({self.node_rank}) must be below learner.nodes ({self.nodes})")
+        return self
 
 
 class ResumeConfig(_Strict):
@@ -301,6 +368,25 @@ class RunConfig(_Strict):
                 raise ValueError(f"gated curriculum: phases {short} have fewer steps (their maximum) than "
                                  f"curriculum.gate.min_steps ({self.curriculum.gate.min_steps}); raise their steps "
                                  "or lower min_steps")
+        return self
+
+    @model_validator(mode="after")
+    def _hardware(self):
+        r = self.rollout
+        if r.tensor_parallel_size > 1 and r.backend != "vllm":
+            raise ValueError("rollout.tensor_parallel_size shards the vLLM engine: set rollout.backend=vllm or leave "
+                             "it at 1")
+        if r.tensor_parallel_size > 1 and r.vllm_in_process is True:
+            raise ValueError("rollout.tensor_parallel_size > 1 runs one vLLM worker per GPU in its own process: drop "
+                             "rollout.vllm_in_process=true")
+        if r.vllm_sleep and r.backend != "vllm":
+            raise ValueError("rollout.vllm_sleep is vLLM's sleep mode: set rollout.backend=vllm or drop it")
+        if self.learner.nodes > 1 and r.backend != "vllm":
+            raise ValueError("a DeepSpeed learner across nodes shares no model with the generator: set "
+                             "rollout.backend=vllm")
+        if self.learner.nodes > 1 and self.algo.estimator == "ppo":
+            raise ValueError("the PPO critic is not data-parallel: use learner.nodes=1 and learner.ranks=1 with "
+                             "algo.estimator=ppo")
         return self
 
     @property

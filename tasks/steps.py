@@ -91,13 +91,13 @@ def _threads(cfg: RunConfig) -> None:
 @task(name="spawn-env-servers", retries=2, retry_delay_seconds=2, **TASK_OPTS)
 @timed("setup")
 def spawn_env_servers(key: str) -> list[str]:
-    """Start the phase's env servers (containers or local processes, ``env.runtime``), or use a configured URL;
-    returns their URLs."""
+    """Start the phase's env servers (containers or local processes, ``env.runtime``), or use the configured running
+    ones (``env.urls``, or ``env.url`` as one); returns their URLs."""
     from envs.spawn import spawn_env_server
 
     s = get_session(key)
-    if s.cfg.env.url:
-        return [s.cfg.env.url]
+    if s.cfg.env.server_urls:
+        return s.cfg.env.server_urls
     for srv in s.servers:  # a retry of this task after a partial start: do not leak the first servers
         srv.stop()
     s.servers.clear()
@@ -149,7 +149,7 @@ def open_session(cfg: RunConfig, model_dir: str, train: bool, reference_dir: str
                            kl_in_loss=not get_estimator(a.estimator).kl_in_reward,
                            critic=get_estimator(a.estimator).needs_critic,
                            critic_path=local_critic_path(a.critic.model), critic_lr=a.critic.lr or 1e-5,
-                           value_clip=a.critic.value_clip, share_prefix=a.share_prefix)
+                           value_clip=a.critic.value_clip, share_prefix=a.share_prefix, device=cfg.model.device)
         if cfg.learner.engine == "deepspeed":
             from tasks.backends.deepspeed_learner import make_learner
 
@@ -162,7 +162,9 @@ def open_session(cfg: RunConfig, model_dir: str, train: bool, reference_dir: str
 
         s.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         if cfg.rollout.backend == "transformers":
-            s.model = load_causal_lm(model_dir)
+            from tasks.backends.hardware import resolve_device
+
+            s.model = load_causal_lm(model_dir, resolve_device(cfg.model.device))
             s.model.eval()
     pad = s.tokenizer.pad_token_id if s.tokenizer.pad_token_id is not None else s.tokenizer.eos_token_id
     s.chat = ChatFormat.from_tokenizer(s.tokenizer)
@@ -381,6 +383,8 @@ def policy_update(key: str, batch: Batch, adv: Advantages) -> dict[str, float]:
     """One update of the policy (and critic) on ``batch`` with ``adv``; the generation engine gets the new weights."""
     s = get_session(key)
     samples, where = turn_samples(batch.trajectories)  # the sequences ``compute_advantages`` prepared, in its order
+    if hasattr(s.backend, "sleep"):  # vLLM sleep mode: the engine frees the GPU for the update (no-op otherwise)
+        s.backend.sleep()
     out = s.learner.update(samples, split_rows(adv.advantages, where), prepared=adv.prepared,
                            returns=None if adv.returns is None else split_rows(adv.returns, where))
     kill_point("update")  # test hook (tasks.killpoint): a no-op unless $SCALINGINTER_KILL_AT names it

@@ -7,9 +7,8 @@ lines up with ``logp[b, t]`` = log p(token t | tokens < t): the value of the dec
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -45,16 +44,19 @@ def _load_backbone(path: str):
 
 class Critic:
     def __init__(self, model_path: str, lr: float, value_clip: float = 0.2, micro_batch_size: int = 4,
-                 bf16_autocast: bool = True, grad_clip: float = 1.0, pad_id: int = 0):
+                 bf16_autocast: bool = True, grad_clip: float = 1.0, pad_id: int = 0, device: Any = None):
         backbone, hidden = _load_backbone(model_path)
-        self.net = ValueModel(backbone, hidden)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.net = ValueModel(backbone, hidden).to(self.device)
         self.net.train()
         self.lr, self.value_clip, self.mb, self.bf16, self.grad_clip, self.pad_id = (
             lr, value_clip, micro_batch_size, bf16_autocast, grad_clip, pad_id)
         self.opt = torch.optim.AdamW(self.net.parameters(), lr=lr, weight_decay=0.0)
 
     def _autocast(self):
-        return torch.autocast("cpu", dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
+        from tasks.backends.hardware import autocast
+
+        return autocast(self.device, self.bf16)
 
     def _pad(self, seqs: Sequence[Sequence[int]]):
         width = max(len(s) for s in seqs)
@@ -63,7 +65,7 @@ class Critic:
         for r, s in enumerate(seqs):
             ids[r, : len(s)] = torch.tensor(list(s), dtype=torch.long)
             att[r, : len(s)] = 1
-        return ids, att
+        return ids.to(self.device), att.to(self.device)
 
     @torch.no_grad()
     def values_and_final(self, seqs: Sequence[Sequence[int]]) -> tuple[list[list[float]], list[float]]:
@@ -94,7 +96,8 @@ class Critic:
         ids, att = self._pad(seqs)
         with self._autocast():
             v = self.net(ids, att).float()
-        loss, st = clipped_value_loss(v, old_values, returns, weights, self.value_clip)
+        dev = self.device
+        loss, st = clipped_value_loss(v, old_values.to(dev), returns.to(dev), weights.to(dev), self.value_clip)
         loss.backward()
         return st
 
@@ -116,10 +119,12 @@ class Critic:
         d = Path(directory) / "critic"
         if not (d / "model.pt").exists():
             return False
-        self.net.load_state_dict(load_plain(d / "model.pt"))
+        self.net.load_state_dict(load_plain(d / "model.pt", map_location="cpu"))
         if (d / "optimizer.pt").exists():
+            from tasks.backends.learner import optimizer_state_on
+
             by_name = dict(self.net.named_parameters())
-            for n, st in load_plain(d / "optimizer.pt").items():
+            for n, st in load_plain(d / "optimizer.pt", map_location="cpu").items():
                 if n in by_name:
-                    self.opt.state[by_name[n]] = st
+                    self.opt.state[by_name[n]] = optimizer_state_on(st, by_name[n].device)
         return True

@@ -24,7 +24,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import random
 import socket
 import subprocess
 import sys
@@ -37,7 +36,8 @@ from typing import Any
 import torch
 
 from core.trajectory import Trajectory
-from tasks.backends.learner import LearnerConfig, Prepared, TorchLearner, live_indices, logprob_mismatch
+from tasks.backends.learner import (LearnerConfig, Prepared, TorchLearner, live_indices, logprob_mismatch, rng_state,
+                                    set_rng_state)
 from tasks.backends.safe_load import load_plain
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -127,6 +127,58 @@ def merge_prepared(shards: list[Prepared]) -> Prepared:
                     values=rows("values"), final_values=rows("final_values"))
 
 
+# What DeepSpeed's own checkpoint files (``deepspeed/state/*.pt``) may hold besides tensors and plain values: the
+# classes its engine and ZeRO optimizers pickle there (found with torch.serialization.get_unsafe_globals_in_checkpoint
+# on ZeRO 1-3 checkpoints of this learner, tests/test_deepspeed_learner.py). Loaded with ``weights_only=True`` these
+# are the only globals allowed; anything else refuses the file (``safe_load.UnsafeCheckpointFile``).
+DS_CHECKPOINT_GLOBALS: tuple[str, ...] = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",  # ZeRO optimizer state: its (static, 1.0) loss scaler
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",  # the same with fp16 dynamic scaling
+    "deepspeed.utils.tensor_fragment.fragment_address",  # ZeRO 1/2: where each parameter's fragment lies
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+)
+
+
+def _ds_safe_globals() -> list[Any]:
+    import importlib
+
+    out = []
+    for qual in DS_CHECKPOINT_GLOBALS:
+        mod, _, name = qual.rpartition(".")
+        try:
+            out.append(getattr(importlib.import_module(mod), name))
+        except (ImportError, AttributeError):  # another DeepSpeed version: that class is not in its files either
+            continue
+    return out
+
+
+def safe_checkpoint_loads(engine) -> None:
+    """Make ``engine``'s checkpoint loads (``load_checkpoint``: model states, ZeRO optimizer partitions) use
+    ``torch.load(weights_only=True)`` with only DeepSpeed's own known classes allowed, instead of its
+    ``weights_only=False``: a tampered file is refused with one line naming it, never unpickled."""
+    import pickle
+
+    from tasks.backends.safe_load import UnsafeCheckpointFile, refusal_reason
+
+    ce = getattr(engine, "checkpoint_engine", None)
+    if ce is None or getattr(ce, "_scalinginter_safe", False):
+        return
+    allowed = _ds_safe_globals()
+
+    def load(path: str, map_location=None):
+        try:
+            with torch.serialization.safe_globals(allowed):
+                return torch.load(path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise UnsafeCheckpointFile(
+                f"{path} holds objects other than tensors, plain values and DeepSpeed's own checkpoint classes, so "
+                f"it is not loaded (weights_only): it was tampered with or not written by this learner: resume from "
+                f"another checkpoint or delete this one. ({refusal_reason(exc)})") from exc
+
+    ce.load = load
+    ce._scalinginter_safe = True
+
+
 def _ensure_dist() -> None:
     import deepspeed
 
@@ -153,6 +205,8 @@ class DeepSpeedLearner(TorchLearner):
         import deepspeed
 
         _ensure_dist()
+        if torch.cuda.is_available():  # this rank's GPU is the current device before any model is loaded
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         super().__init__(model_path, cfg, reference_path)  # tokenizer, fp32 policy, frozen reference, AdamW
         self.zero_stage = zero_stage
         self.ds_conf = ds_config(zero_stage, cfg, offload_optimizer=offload_optimizer, bf16_weights=bf16_weights,
@@ -162,9 +216,17 @@ class DeepSpeedLearner(TorchLearner):
                                                            model_parameters=self.model.parameters() if client_opt is None else None,
                                                            config=self.ds_conf)
         self.model = self.engine.module
+        if self.engine.device.type != self.device.type:
+            raise ValueError(f"model.device resolved to {self.device} but DeepSpeed's accelerator is "
+                             f"{self.engine.device.type}: set model.device=auto, or pick DeepSpeed's accelerator with "
+                             "DS_ACCELERATOR=cpu|cuda")
         self.device = self.engine.device
-        if self.ref is not None and self.device.type != "cpu":
+        if self.ref is not None:
             self.ref.to(self.device)
+        if self.critic is not None:
+            self.critic.net.to(self.device)
+            self.critic.device = self.device
+        safe_checkpoint_loads(self.engine)
 
     @property
     def rank(self) -> int:
@@ -203,21 +265,8 @@ class DeepSpeedLearner(TorchLearner):
             p.stats["logprob_mismatch"] = logprob_mismatch(trajs, p.live, p.old)
         return p
 
-    # -- device handling (GPU: forward on the engine's device, results back on CPU for the loss code) -----
-    def _autocast(self):
-        if self.cfg.bf16_autocast:
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        import contextlib
-
-        return contextlib.nullcontext()
-
-    def _token_logp(self, model, ids, att, with_entropy: bool = False, need=None, groups=None):
-        if self.device.type == "cpu":
-            return super()._token_logp(model, ids, att, with_entropy, need, groups)
-        logp, ent = super()._token_logp(model, ids.to(self.device), att.to(self.device), with_entropy,
-                                        need.to(self.device) if need is not None else None, groups)
-        return logp.cpu(), (ent.cpu() if ent is not None else None)
-
+    # device handling is the torch learner's: the batch tensors go to ``self.device`` (the engine's), the loss is
+    # computed there, under ``hardware.autocast`` on that device
     # -- engine hooks -----------------------------------------------------------------------------------
     # The torch learner calls _zero_grad, then _backward once per micro-batch, then _step; how many micro-batches
     # a mini-batch has is its business. So every real micro-batch is a non-boundary DeepSpeed micro-step
@@ -288,7 +337,7 @@ class DeepSpeedLearner(TorchLearner):
         self.save_weights(directory)
         if self.rank == 0:
             self.tokenizer.save_pretrained(directory)
-            torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, directory / "rng.pt")
+            torch.save(rng_state(self.device), directory / "rng.pt")
             (directory / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
         self.engine.save_checkpoint(str(directory / "deepspeed"), tag="state", save_latest=False)
         if self.rank == 0:
@@ -317,9 +366,7 @@ class DeepSpeedLearner(TorchLearner):
             self.critic.load(directory)
         rng_file = directory / "rng.pt"
         if rng_file.exists():
-            rng = load_plain(rng_file)
-            torch.set_rng_state(rng["torch"])
-            random.setstate(rng["python"])
+            set_rng_state(load_plain(rng_file))
         state_file = directory / "trainer_state.json"
         return json.loads(state_file.read_text()) if state_file.exists() else {}
 

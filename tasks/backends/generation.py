@@ -9,7 +9,6 @@ such an engine in a worker thread and hands each request's ``Generation`` back t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import queue
 import threading
@@ -204,7 +203,8 @@ class RequestDriver:
 
 
 class TransformersBackend:
-    """transformers ``generate`` on CPU, sharing the learner's policy module (no copy, no sync needed)."""
+    """transformers ``generate`` on the device the model is on (the learner's: CUDA or CPU), sharing the learner's
+    policy module (no copy, no sync needed)."""
 
     def __init__(self, model, eos_token_id: int, pad_token_id: int, batch_size: int = 32,
                  bf16_autocast: bool = True):
@@ -217,10 +217,16 @@ class TransformersBackend:
     def sync_weights(self) -> None:  # shares the learner's module
         return None
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model's weights are (a learner's module may have moved since this backend was made)."""
+        p = next(self.model.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
+
     def _autocast(self):
-        if self.bf16_autocast:
-            return torch.autocast("cpu", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        from tasks.backends.hardware import autocast
+
+        return autocast(self.device, self.bf16_autocast)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
@@ -250,9 +256,10 @@ class TransformersBackend:
             kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=0)
         was_training = self.model.training
         self.model.eval()
+        dev = self.device
         try:
             with self._autocast():
-                res = self.model.generate(input_ids=ids, attention_mask=att, **kwargs)
+                res = self.model.generate(input_ids=ids.to(dev), attention_mask=att.to(dev), **kwargs)
         finally:
             self.model.train(was_training)
         new = res.sequences[:, width:]  # [B, N]

