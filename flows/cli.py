@@ -13,7 +13,11 @@ import typer
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# hub offline mode unless the command names a hub model (org/name): the embedded default and local folders need no
+# network; `--set model.path=Org/Model` downloads it (tasks.backends.model.hub_offline_default)
+from tasks.backends.model import hub_offline_default  # noqa: E402  (light: no huggingface_hub import)
+
+hub_offline_default(sys.argv)
 
 app = typer.Typer(help="ScalingInter: multi-turn agent RL with growing turn limits, as Prefect flows.",
                   no_args_is_help=True, add_completion=False)

@@ -11,7 +11,12 @@ own (partitioned) optimizer state goes to ``deepspeed/`` and is restored only wh
 stage match; otherwise training continues from the HF weights with a fresh optimizer (a warning says so).
 
 One rank runs in-process (``DeepSpeedLearner``). More ranks: ``DeepSpeedRemoteLearner`` launches
-``torchrun --nproc_per_node N -m tasks.backends.deepspeed_learner`` and drives the ranks over a local socket;
+``torchrun --nproc_per_node N -m tasks.backends.deepspeed_learner`` and drives the ranks over a local socket.
+Across machines (``learner.nodes``): node 0 (the run's machine) launches its torchrun with ``--nnodes`` and torchrun's
+c10d rendezvous at ``master_addr:master_port``; every other node runs ``python -m tasks.backends.deepspeed_learner
+join ...`` (the same rendezvous, its own ``--node-rank``); all ranks connect back to the run at
+``master_addr:master_port + 1``, authenticated by the shared secret ``$SCALINGINTER_LEARNER_TOKEN``, and receive the
+learner spec from it;
 each rank trains on an equal share of the batch (data parallel; gradients averaged by DeepSpeed). Each rank also
 prepares (old / reference log-probs, critic values) only its share; the shares are gathered into the whole batch's
 ``Prepared``. The loss of every mini-batch is normalised by its policy tokens (or sequences) over all ranks, an
@@ -41,7 +46,23 @@ from tasks.backends.learner import (LearnerConfig, Prepared, TorchLearner, live_
 from tasks.backends.safe_load import load_plain
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-CONFIG_DIR = REPO_ROOT / "infra" / "deepspeed"
+
+
+def deepspeed_config_dir() -> Path:
+    """Where ``infra/deepspeed/*.json`` are: ``$SCALINGINTER_DEEPSPEED_CONFIGS``, else the source tree's (a checkout
+    or an editable install), else the copy an installed wheel puts in ``<prefix>/share/scalinginter/deepspeed``
+    (pyproject's data-files; the trainer image installs one)."""
+    env = os.environ.get("SCALINGINTER_DEEPSPEED_CONFIGS")
+    candidates = ([Path(env)] if env else []) + [REPO_ROOT / "infra" / "deepspeed",
+                                                 Path(sys.prefix) / "share" / "scalinginter" / "deepspeed"]
+    for d in candidates:
+        if (d / "zero2.json").exists():
+            return d
+    raise FileNotFoundError("DeepSpeed configs (zero1/2/3.json) not found in " + ", ".join(map(str, candidates))
+                            + ": reinstall the package, or set SCALINGINTER_DEEPSPEED_CONFIGS or learner.config_path")
+
+
+CONFIG_DIR = REPO_ROOT / "infra" / "deepspeed"  # the source tree's (deepspeed_config_dir() finds an installed copy)
 
 
 # --- config (pure) ------------------------------------------------------------------------------------------
@@ -53,7 +74,7 @@ def ds_config(stage: int, cfg: LearnerConfig, *, offload_optimizer: bool = False
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
     if path is None:
         name = "zero2_offload.json" if offload_optimizer else f"zero{max(stage, 1)}.json"
-        path = CONFIG_DIR / name
+        path = deepspeed_config_dir() / name
     conf = json.loads(Path(path).read_text())
     conf = copy.deepcopy(conf)
     conf.pop("train_batch_size", None)  # DeepSpeed derives it: micro x accumulation x world size
@@ -406,29 +427,37 @@ class DeepSpeedRemoteLearner:
     def __init__(self, model_path: str, cfg: LearnerConfig, reference_path: str | None = None, *, ranks: int = 2,
                  zero_stage: int = 2, offload_optimizer: bool = False, bf16_weights: bool = False,
                  config_path: str | None = None, threads_per_rank: int | None = None,
-                 startup_timeout_s: float = 600.0, log_path: str | None = None):
+                 startup_timeout_s: float = 600.0, log_path: str | None = None, nodes: int = 1,
+                 master_addr: str | None = None, master_port: int = 29500):
         from multiprocessing.connection import Listener
 
         from envs.spawn import free_port
         from transformers import AutoTokenizer
 
-        if ranks < 2:
-            raise ValueError("DeepSpeedRemoteLearner is for ranks >= 2; use DeepSpeedLearner in-process for 1")
+        self.world = ranks * nodes
+        if self.world < 2:
+            raise ValueError("DeepSpeedRemoteLearner is for ranks x nodes >= 2; use DeepSpeedLearner in-process for 1")
+        if nodes > 1 and not master_addr:
+            raise ValueError("learner.nodes > 1 needs learner.master_addr: node 0's address the other nodes reach")
         self.cfg = cfg
         self.ranks = ranks
+        self.nodes = nodes
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = None  # lives in the ranks
-        authkey = os.urandom(16)
-        self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
-        spec = {"model_path": model_path, "reference_path": reference_path, "cfg": asdict(cfg),
-                "zero_stage": zero_stage, "offload_optimizer": offload_optimizer, "bf16_weights": bf16_weights,
-                "config_path": config_path, "address": list(self._listener.address), "authkey": authkey.hex(),
-                "threads": threads_per_rank or max(1, (os.cpu_count() or 1) // ranks)}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-               f"--master_port={free_port()}", "-m", "tasks.backends.deepspeed_learner", "--worker"]
-        env = dict(os.environ, SCALINGINTER_DS_WORKER=json.dumps(spec), OMP_NUM_THREADS=str(spec["threads"]),
-                   PYTHONPATH=os.pathsep.join([str(REPO_ROOT)] + ([os.environ["PYTHONPATH"]]
-                                                                   if os.environ.get("PYTHONPATH") else [])))
+        authkey = node_token() if nodes > 1 else os.urandom(16)
+        # one node: the ranks connect over loopback; several: at master_addr:master_port + 1, from the other nodes
+        self._listener = (Listener((master_addr, master_port + 1), authkey=authkey) if nodes > 1
+                          else Listener(("127.0.0.1", 0), authkey=authkey))
+        self._spec = {"model_path": model_path, "reference_path": reference_path, "cfg": asdict(cfg),
+                      "zero_stage": zero_stage, "offload_optimizer": offload_optimizer, "bf16_weights": bf16_weights,
+                      "config_path": config_path}
+        threads = threads_per_rank or max(1, (os.cpu_count() or 1) // ranks)
+        if nodes > 1:
+            cmd = torchrun_command(ranks, nodes, 0, master_addr, master_port)
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+                   f"--master_port={free_port()}", "-m", "tasks.backends.deepspeed_learner", "--worker"]
+        env = worker_env(list(self._listener.address), authkey, threads)
         self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, cwd=str(REPO_ROOT), env=env, stdin=subprocess.DEVNULL,
                                      stdout=self._log, stderr=subprocess.STDOUT if log_path else None,
@@ -436,7 +465,7 @@ class DeepSpeedRemoteLearner:
         self._conns: dict[int, Any] = {}
         self._listener._listener._socket.settimeout(5.0)
         deadline = time.monotonic() + startup_timeout_s
-        while len(self._conns) < ranks:
+        while len(self._conns) < self.world:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"DeepSpeed ranks exited with code {self.proc.returncode} during startup")
             if time.monotonic() > deadline:
@@ -447,6 +476,7 @@ class DeepSpeedRemoteLearner:
             except (socket.timeout, TimeoutError):
                 continue
             rank = conn.recv()
+            conn.send(self._spec)  # what to build (a rank on another node has only the connection)
             self._conns[int(rank)] = conn
         for c in self._conns.values():  # every rank reports after deepspeed.initialize
             self._recv(c)
@@ -518,14 +548,82 @@ class DeepSpeedRemoteLearner:
             pass
 
 
-def _worker() -> None:
-    """One torchrun rank: build the learner, then serve the driver's commands until ``close``."""
+TOKEN_ENV = "SCALINGINTER_LEARNER_TOKEN"
+
+
+def node_token() -> bytes:
+    """The secret every node of a multi-node learner shares (``$SCALINGINTER_LEARNER_TOKEN``): the ranks on other
+    nodes authenticate to the run's control connection with it (``multiprocessing.connection``'s HMAC handshake)."""
+    tok = os.environ.get(TOKEN_ENV, "")
+    if len(tok) < 16:
+        raise ValueError(f"a learner across nodes needs a shared secret: set {TOKEN_ENV} to the same string of 16+ "
+                         f"characters on every node (e.g. {TOKEN_ENV}=$(openssl rand -hex 16))")
+    return tok.encode()
+
+
+def torchrun_command(ranks: int, nodes: int, node_rank: int, master_addr: str, master_port: int) -> list[str]:
+    """torchrun for node ``node_rank`` of ``nodes``: ``ranks`` workers joined through the c10d rendezvous at
+    ``master_addr:master_port`` (hosted by node 0's agent; the run id is fixed, one learner per rendezvous port)."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node_rank={node_rank}",
+            f"--nproc_per_node={ranks}", "--rdzv_backend=c10d", f"--rdzv_endpoint={master_addr}:{master_port}",
+            "--rdzv_id=scalinginter-learner", f"--rdzv_conf=is_host={1 if node_rank == 0 else 0}",
+            "-m", "tasks.backends.deepspeed_learner", "--worker"]
+
+
+def worker_env(address: list, authkey: bytes, threads: int) -> dict[str, str]:
+    """The environment of a node's torchrun: where the run's control connection listens, its key, the threads per
+    rank, and this repository on the path."""
+    worker = {"address": list(address), "authkey": authkey.hex(), "threads": int(threads)}
+    return dict(os.environ, SCALINGINTER_DS_WORKER=json.dumps(worker), OMP_NUM_THREADS=str(threads),
+                PYTHONPATH=os.pathsep.join([str(REPO_ROOT)] + ([os.environ["PYTHONPATH"]]
+                                                               if os.environ.get("PYTHONPATH") else [])))
+
+
+def join(argv: list[str] | None = None) -> int:
+    """``python -m tasks.backends.deepspeed_learner join``: run this machine's ranks of a multi-node learner (node
+    ``--node-rank`` of ``--nodes``) until the run closes the learner. Blocks; returns torchrun's exit code."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m tasks.backends.deepspeed_learner join",
+                                 description="Join a ScalingInter run's DeepSpeed learner from another node "
+                                             f"(the same ${TOKEN_ENV} as the run's machine).")
+    ap.add_argument("--nodes", type=int, required=True, help="learner.nodes of the run")
+    ap.add_argument("--node-rank", type=int, required=True, help="this node: 1 .. nodes-1")
+    ap.add_argument("--nproc-per-node", type=int, default=1, help="learner.ranks of the run (ranks per node)")
+    ap.add_argument("--master-addr", required=True, help="learner.master_addr of the run (node 0)")
+    ap.add_argument("--master-port", type=int, default=29500, help="learner.master_port of the run")
+    ap.add_argument("--threads-per-rank", type=int, default=None)
+    a = ap.parse_args(argv)
+    if not 0 < a.node_rank < a.nodes:
+        ap.error(f"--node-rank must be 1 .. {a.nodes - 1} (node 0 is the run's machine)")
+    threads = a.threads_per_rank or max(1, (os.cpu_count() or 1) // a.nproc_per_node)
+    env = worker_env([a.master_addr, a.master_port + 1], node_token(), threads)
+    cmd = torchrun_command(a.nproc_per_node, a.nodes, a.node_rank, a.master_addr, a.master_port)
+    return subprocess.call(cmd, cwd=str(REPO_ROOT), env=env, stdin=subprocess.DEVNULL)
+
+
+def _connect(address: tuple, authkey: bytes, timeout_s: float = 300.0):
+    """The control connection to the run, retried while it is not listening yet (a node may start first)."""
     from multiprocessing.connection import Client
 
-    spec = json.loads(os.environ["SCALINGINTER_DS_WORKER"])
-    torch.set_num_threads(int(spec["threads"]))
-    conn = Client(tuple(spec["address"]), authkey=bytes.fromhex(spec["authkey"]))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return Client(address, authkey=authkey)
+        except (ConnectionRefusedError, OSError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
+
+
+def _worker() -> None:
+    """One torchrun rank: connect to the run, receive the learner spec, build the learner, then serve the driver's
+    commands until ``close``."""
+    worker = json.loads(os.environ["SCALINGINTER_DS_WORKER"])
+    torch.set_num_threads(int(worker["threads"]))
+    conn = _connect(tuple(worker["address"]), bytes.fromhex(worker["authkey"]))
     conn.send(int(os.environ["RANK"]))
+    spec = conn.recv()
     try:
         learner = DeepSpeedLearner(spec["model_path"], LearnerConfig(**spec["cfg"]), spec["reference_path"],
                                    zero_stage=spec["zero_stage"], offload_optimizer=spec["offload_optimizer"],
@@ -569,12 +667,20 @@ def make_learner(model_path: str, cfg: LearnerConfig, reference_path: str | None
     ranks otherwise."""
     kw = dict(zero_stage=section.zero_stage, offload_optimizer=section.offload_optimizer,
               config_path=section.config_path)
-    if section.ranks > 1:
+    nodes = getattr(section, "nodes", 1)
+    if nodes > 1 and section.node_rank != 0:
+        raise ValueError(f"learner.node_rank={section.node_rank}: a run is node 0; on the other nodes run "
+                         "`python -m tasks.backends.deepspeed_learner join --nodes N --node-rank K ...` instead")
+    if section.ranks * nodes > 1:
         if cfg.critic:
             raise ValueError("a PPO critic is not data-parallel yet: use learner.ranks=1 with algo.estimator=ppo")
+        if nodes > 1:
+            kw.update(nodes=nodes, master_addr=section.master_addr, master_port=section.master_port)
         return DeepSpeedRemoteLearner(model_path, cfg, reference_path, ranks=section.ranks, **kw)
     return DeepSpeedLearner(model_path, cfg, reference_path, **kw)
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
     _worker()
+elif __name__ == "__main__" and sys.argv[1:2] == ["join"]:
+    sys.exit(join(sys.argv[2:]))
