@@ -212,3 +212,108 @@ def test_deepspeed_ppo_checkpoint_keeps_the_critic(tmp_path):
     b.load_training_state(tmp_path / "ck")
     assert all(torch.equal(trained[k], v) for k, v in b.critic.net.state_dict().items())
     assert len(b.critic.opt.state) > 0
+
+
+class _Evil:
+    """Unpickling this runs ``open(marker, "w")``: what a tampered checkpoint file could do on resume."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_deepspeed_checkpoint_files_load_weights_only(tmp_path):
+    """DeepSpeed's own checkpoint loads (its ``checkpoint_engine.load``, ``weights_only=False`` upstream) go through
+    ``torch.load(weights_only=True)`` with only DeepSpeed's known classes allowed: its real optimizer-state objects
+    load, a tampered file is refused with one line naming it, and its payload never runs."""
+    import types
+
+    import torch
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    from tasks.backends.deepspeed_learner import safe_checkpoint_loads
+    from tasks.backends.safe_load import UnsafeCheckpointFile
+
+    engine = types.SimpleNamespace(checkpoint_engine=TorchCheckpointEngine())
+    safe_checkpoint_loads(engine)
+    good = tmp_path / "optim_states.pt"
+    torch.save({"optimizer_state_dict": {"loss_scaler": LossScaler(1.0), "zero_stage": ZeroStageEnum.gradients,
+                                         "param_slice_mappings": [{"w": fragment_address(numel=4, start=0)}],
+                                         "fp32": torch.ones(4)}}, good)
+    sd = engine.checkpoint_engine.load(str(good), map_location=torch.device("cpu"))
+    assert isinstance(sd["optimizer_state_dict"]["loss_scaler"], LossScaler)
+    assert sd["optimizer_state_dict"]["zero_stage"] == ZeroStageEnum.gradients
+    marker = tmp_path / "payload-ran"
+    bad = tmp_path / "tampered.pt"
+    torch.save({"optimizer_state_dict": {"loss_scaler": _Evil(marker)}}, bad)
+    with pytest.raises(UnsafeCheckpointFile) as e:
+        engine.checkpoint_engine.load(str(bad), map_location=torch.device("cpu"))
+    msg = str(e.value)
+    assert "\n" not in msg and str(bad) in msg and "io.open, which is not allowed" in msg
+    assert not marker.exists()
+
+
+def test_deepspeed_configs_are_found_from_an_installed_package(tmp_path, monkeypatch):
+    """A wheel installs infra/deepspeed/*.json under <prefix>/share/scalinginter/deepspeed (pyproject data-files);
+    without the source tree there, that copy is used; $SCALINGINTER_DEEPSPEED_CONFIGS wins over both."""
+    import sys
+
+    import tasks.backends.deepspeed_learner as dl
+
+    assert dl.deepspeed_config_dir() == dl.REPO_ROOT / "infra" / "deepspeed"  # a checkout
+    share = tmp_path / "prefix" / "share" / "scalinginter" / "deepspeed"
+    share.mkdir(parents=True)
+    for f in (dl.REPO_ROOT / "infra" / "deepspeed").glob("*.json"):
+        (share / f.name).write_text(f.read_text())
+    monkeypatch.setattr(dl, "REPO_ROOT", tmp_path / "site-packages")  # an installed package: no infra/ beside it
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "prefix"))
+    assert dl.deepspeed_config_dir() == share
+    assert dl.ds_config(2, LearnerConfig())["zero_optimization"]["stage"] == 2
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "elsewhere"))
+    with pytest.raises(FileNotFoundError, match="SCALINGINTER_DEEPSPEED_CONFIGS"):
+        dl.deepspeed_config_dir()
+    monkeypatch.setenv("SCALINGINTER_DEEPSPEED_CONFIGS", str(share))
+    assert dl.deepspeed_config_dir() == share
+    import tomllib
+
+    data_files = tomllib.loads((dl.__file__ and (Path(__file__).resolve().parents[1] / "pyproject.toml")).read_text())
+    assert data_files["tool"]["setuptools"]["data-files"]["share/scalinginter/deepspeed"] == ["infra/deepspeed/*.json"]
+
+
+@pytest.mark.slow
+def test_tampered_deepspeed_optimizer_file_is_refused_on_resume(tmp_path):
+    """A real ZeRO-2 checkpoint of the learner resumes; the same checkpoint with its optimizer partition file
+    replaced by one carrying a payload is refused by ``load_training_state`` with one line, the payload never run."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from tasks.backends.deepspeed_learner import DeepSpeedLearner
+    from tasks.backends.model import resolve_model
+    from tasks.backends.safe_load import UnsafeCheckpointFile
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
+    torch.manual_seed(0)
+    model_dir = tmp_path / "tiny"
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    cfg = LearnerConfig(lr=1e-3, kl_coef=0.0, micro_batch_size=2, bf16_autocast=False)
+    a = DeepSpeedLearner(str(model_dir), cfg, zero_stage=2)
+    a.update(*_batch(n=2))
+    a.save(tmp_path / "ck", {"phase_step": 1})
+    b = DeepSpeedLearner(str(model_dir), cfg, zero_stage=2)
+    assert b.load_training_state(tmp_path / "ck")["phase_step"] == 1  # DeepSpeed's own files pass weights_only
+    optim = next((tmp_path / "ck" / "deepspeed" / "state").glob("*optim_states.pt"))
+    sd = torch.load(optim, weights_only=False)
+    marker = tmp_path / "payload-ran"
+    sd["optimizer_state_dict"]["loss_scaler"] = _Evil(marker)
+    torch.save(sd, optim)
+    with pytest.raises(UnsafeCheckpointFile) as e:
+        DeepSpeedLearner(str(model_dir), cfg, zero_stage=2).load_training_state(tmp_path / "ck")
+    assert "\n" not in str(e.value) and optim.name in str(e.value)
+    assert not marker.exists()

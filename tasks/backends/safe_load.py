@@ -24,8 +24,11 @@ def refusal_reason(exc: BaseException) -> str:
     without its terminal colour codes; else its first line. At most 200 characters."""
     import re
 
-    lines = [re.sub(r"\x1b\[[0-9;]*m", "", ln).strip() for ln in str(exc).splitlines()]
-    lines = [ln for ln in lines if ln]
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    m = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+    if m:
+        return f"it names {m.group(1)}, which is not allowed"
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     named = [ln for ln in lines if "Unsupported global" in ln or "GLOBAL" in ln]
     return ((named or lines or [type(exc).__name__])[0])[:200]
 

@@ -1,0 +1,305 @@
+"""GPU checks anyone with a CUDA machine can run: ``pytest -m gpu tests/test_gpu.py`` after ``infra/install.sh``
+(which picks the CUDA builds where ``nvidia-smi`` lists a GPU). Each is marked ``gpu`` (deselected by default) and
+skips where torch sees no CUDA device:
+
+- the learner on CUDA gives the CPU learner's loss and gradients: fp32 on both within 1e-4 (relative); bf16
+  autocast on CUDA within bf16 tolerance: no further from the fp32 CPU gradients than twice what bf16 autocast on the
+  CPU is (measured in the test; 6.4e-2 relative on SmolLM2-135M on an AVX512-BF16 CPU), the loss within 1e-2;
+- vLLM's CUDA engine after an in-memory weight sync gives the learner's log-probs (bf16 engine vs the fp32 learner
+  under bf16 autocast: mean |diff| < 0.1 nats, the CPU bf16 test's bound), in sleep mode: the engine sleeps during
+  the update (its GPU memory is freed) and wakes for the sync;
+- a one-step smoke run (``scalinginter run babyai``, vLLM engine on the GPU, learner on the GPU) completes.
+
+The tests without the ``gpu`` mark check, here on the CPU, the GPU code paths that need no GPU: device resolution,
+the refusals of GPU-only settings on the CPU build, and the sleep/wake order around a weight sync (on a fake
+engine that records the calls vLLM's ``LLM.sleep`` / ``LLM.wake_up`` would receive).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+needs_cuda = pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU (torch.cuda.is_available() is False here)")
+
+
+# --- CPU-checkable pieces of the GPU paths ----------------------------------------------------------------------
+def test_device_resolution():
+    import torch
+
+    from tasks.backends.hardware import autocast, check_device_setting, resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert check_device_setting(" CUDA:1 ") == "cuda:1"
+    with pytest.raises(ValueError, match="auto, cpu, cuda or cuda:N"):
+        check_device_setting("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU"):
+            resolve_device("cuda")
+    with autocast(torch.device("cpu"), True):
+        assert torch.is_autocast_enabled("cpu")
+    with autocast(torch.device("cpu"), False):
+        assert not torch.is_autocast_enabled("cpu")
+
+
+def test_model_device_config():
+    from flows.config import ConfigError, build_config
+
+    assert build_config("babyai", "tiny").model.device == "auto"
+    assert build_config("babyai", "tiny", ["model.device=cuda:0"]).model.device == "cuda:0"
+    with pytest.raises(ConfigError, match="model.device"):
+        build_config("babyai", "tiny", ["model.device=gpu"])
+    c = build_config("babyai", "tiny", ["rollout.backend=vllm", "rollout.gpu_memory_utilization=0.6",
+                                        "rollout.tensor_parallel_size=2"])
+    assert c.rollout.gpu_memory_utilization == 0.6 and c.rollout.tensor_parallel_size == 2
+    with pytest.raises(ConfigError, match="gpu_memory_utilization"):
+        build_config("babyai", "tiny", ["rollout.gpu_memory_utilization=1.5"])
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        build_config("babyai", "tiny", ["rollout.backend=vllm", "rollout.tensor_parallel_size=2",
+                                        "rollout.vllm_in_process=true"])
+    with pytest.raises(ConfigError, match="vllm_sleep"):
+        build_config("babyai", "tiny", ["rollout.backend=transformers", "rollout.vllm_sleep=true"])
+
+
+def test_gpu_only_engine_settings_are_refused_on_the_cpu_build():
+    from tasks.backends.vllm_backend import check_gpu_settings
+
+    with pytest.raises(ValueError, match="CPU build"):
+        check_gpu_settings(True, 2, False, False)
+    with pytest.raises(ValueError, match="CUDA build"):
+        check_gpu_settings(True, 1, True, False)
+    with pytest.raises(ValueError, match="vllm_in_process=false"):
+        check_gpu_settings(False, 2, False, True)
+    check_gpu_settings(False, 4, True, False)  # CUDA: fine
+    check_gpu_settings(True, 1, False, True)  # the CPU default: fine
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm not installed")
+def test_sleep_mode_default_follows_the_build_and_the_device():
+    from flows.config import build_config
+    from tasks.backends.vllm_backend import is_cpu_build, sleep_mode_for
+
+    cfg = build_config("babyai", "tiny", ["rollout.backend=vllm"])
+    if is_cpu_build():
+        assert sleep_mode_for(cfg) is False  # no sleep mode on the CPU build
+    else:
+        assert sleep_mode_for(cfg) is _cuda()
+    assert sleep_mode_for(build_config("babyai", "tiny", ["rollout.backend=vllm", "rollout.vllm_sleep=false"])) is False
+    assert sleep_mode_for(build_config("babyai", "tiny", ["rollout.backend=vllm", "rollout.vllm_sleep=true"])) is True
+
+
+class _FakeLLM:
+    """Records what ``VLLMBackend`` asks of ``vllm.LLM`` in sleep mode (the real calls' signatures)."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.asleep: set[str] = set()
+
+    def sleep(self, level: int = 1):
+        self.calls.append(("sleep", level))
+        self.asleep = {"weights", "kv_cache"}
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", None if tags is None else tuple(tags)))
+        woken = set(self.asleep) if tags is None else set(tags)
+        assert woken <= self.asleep, f"woke {woken - self.asleep} twice"
+        self.asleep -= woken
+        return not self.asleep
+
+    def collective_rpc(self, method, args=(), kwargs=None):
+        self.calls.append(("rpc", method, "weights" in self.asleep))
+        return [None]
+
+    def reset_prefix_cache(self, *a, **k):
+        self.calls.append(("reset_prefix_cache",))
+        return True
+
+
+def _fake_backend(sleep_mode: bool):
+    import torch
+
+    from tasks.backends.vllm_backend import VLLMBackend
+
+    b = VLLMBackend.__new__(VLLMBackend)  # no engine: the fake LLM stands in for vllm.LLM
+    b._llm, b.sleep_mode, b._asleep_tags, b.sleeps = _FakeLLM(), sleep_mode, set(), 0
+    b.dtype, b.transport, b._shm, b.syncs, b.export_weights = "float32", "rpc", None, 0, None
+    w = torch.nn.Linear(2, 2)
+    b.named_weights = lambda: w.named_parameters()
+    return b
+
+
+def test_sleep_before_the_update_and_wake_around_the_sync():
+    b = _fake_backend(sleep_mode=True)
+    assert b.sleep() is True and b.asleep and b.sleep() is False  # one sleep per update
+    b.sync_weights()
+    calls = b._llm.calls
+    assert calls[0] == ("sleep", 1)
+    assert calls[1] == ("wake_up", ("weights",))  # the weights first (no KV cache allocated during the copy)
+    assert ("rpc", "load_named_tensors", False) in calls  # loaded while the weights are resident
+    assert calls[-1] == ("wake_up", ("kv_cache",)) and not b.asleep and not b._llm.asleep
+    assert b.syncs == 1
+    b.wake()  # awake: nothing more to wake
+    assert b._llm.calls == calls
+
+
+def test_without_sleep_mode_nothing_sleeps():
+    b = _fake_backend(sleep_mode=False)
+    assert b.sleep() is False and not b.asleep
+    b.sync_weights()
+    assert [c[0] for c in b._llm.calls] == ["rpc", "reset_prefix_cache"]
+
+
+def test_a_sleeping_engine_wakes_for_generation():
+    b = _fake_backend(sleep_mode=True)
+    b.sleep()
+    b.wake()  # what generate / prompt_logprobs / request_engine call first
+    assert b._llm.calls[-1] == ("wake_up", None) and not b.asleep
+
+
+# --- on a GPU ----------------------------------------------------------------------------------------------------
+def _batch():
+    """Four random 48-token episodes with advantages of different sizes (so the loss is not 0 at ratio 1)."""
+    from tests.test_deepspeed_learner import _batch as batch
+
+    trajs, advs = batch(n=4, length=48)
+    return trajs, [[(1.0 + 0.5 * i) * a for a in row] for i, row in enumerate(advs)]
+
+
+def _grads(learner) -> dict:
+    return {n: p.grad.detach().float().cpu().clone() for n, p in learner.model.named_parameters() if p.grad is not None}
+
+
+def _rel(a, b) -> float:
+    import torch
+
+    num = sum(float(torch.sum((a[k] - b[k]) ** 2)) for k in a)
+    den = sum(float(torch.sum(b[k] ** 2)) for k in b)
+    return (num / den) ** 0.5
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_learner_matches_cpu_learner():
+    """One update at lr 0 (the gradients stay on the parameters; AdamW with lr 0 leaves the weights): the CUDA
+    learner's loss and gradients are the CPU learner's, in fp32 tightly and under bf16 autocast within bf16 noise."""
+    from tasks.backends.learner import LearnerConfig, TorchLearner
+    from tasks.backends.model import resolve_model
+
+    path = resolve_model("smollm2-135m")
+    kw = dict(lr=0.0, kl_coef=0.01, micro_batch_size=2, grad_clip=1e9, temperature=1.0)
+    cpu = TorchLearner(path, LearnerConfig(bf16_autocast=False, device="cpu", **kw))
+    s_cpu = cpu.update(*_batch())
+    g_cpu = _grads(cpu)
+    cpu_bf16 = TorchLearner(path, LearnerConfig(bf16_autocast=True, device="cpu", **kw))
+    s_cpu_bf16 = cpu_bf16.update(*_batch())
+    bf16_noise = _rel(_grads(cpu_bf16), g_cpu)  # what bf16 autocast alone moves the gradients, on the CPU
+    bf16_norm = abs(s_cpu_bf16["grad_norm"] - s_cpu["grad_norm"]) / s_cpu["grad_norm"]
+    print(f"\nCPU bf16 vs fp32: grad rel diff {bf16_noise:.2e}, grad norm rel diff {bf16_norm:.2e}")
+    del cpu_bf16
+    for bf16, grad_tol, loss_tol in ((False, 1e-4, 1e-4), (True, max(2 * bf16_noise, 2e-2), 1e-2)):
+        gpu = TorchLearner(path, LearnerConfig(bf16_autocast=bf16, device="cuda", **kw))
+        assert next(gpu.model.parameters()).device.type == "cuda" and gpu.ref is not None
+        assert next(gpu.ref.parameters()).device.type == "cuda"
+        s_gpu = gpu.update(*_batch())
+        g_gpu = _grads(gpu)
+        assert set(g_gpu) == set(g_cpu)
+        rel = _rel(g_gpu, g_cpu)
+        print(f"\nbf16={bf16}: loss cpu {s_cpu['loss']:.6f} cuda {s_gpu['loss']:.6f}; grad rel diff {rel:.2e}; "
+              f"grad norm cpu {s_cpu['grad_norm']:.4f} cuda {s_gpu['grad_norm']:.4f}")
+        assert abs(s_gpu["loss"] - s_cpu["loss"]) <= loss_tol * max(1.0, abs(s_cpu["loss"]))
+        assert rel < grad_tol
+        assert s_gpu["grad_norm"] == pytest.approx(s_cpu["grad_norm"], rel=1e-4 if not bf16 else max(2 * bf16_norm, 1e-2))
+        del gpu
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm not installed")
+def test_cuda_vllm_logprobs_equal_the_learner_after_in_memory_sync_in_sleep_mode():
+    import torch
+
+    from core.trajectory import Trajectory
+    from tasks.backends.generation import SamplingParams
+    from tasks.backends.learner import LearnerConfig, TorchLearner
+    from tasks.backends.model import resolve_model
+    from tasks.backends.vllm_backend import VLLMBackend, is_cpu_build, named_weights_fn
+    from tests.test_vllm_backend import _fixed_sequence, _max_mean_diff
+
+    if is_cpu_build():
+        pytest.skip("vLLM's CPU build is installed: infra/install.sh --gpu installs the CUDA build")
+    path = resolve_model("smollm2-135m")
+    torch.manual_seed(0)
+    learner = TorchLearner(path, LearnerConfig(lr=1e-3, kl_coef=0.0, micro_batch_size=2, bf16_autocast=True,
+                                               device="cuda"))
+    seq = _fixed_sequence(learner.tokenizer)
+    with VLLMBackend(path, learner.tokenizer.eos_token_id, dtype="bfloat16", enforce_eager=True, max_model_len=1024,
+                     gpu_memory_utilization=0.3, sleep_mode=True, named_weights=named_weights_fn(learner)) as engine:
+        prompt = seq[:-12]
+        gens = engine.generate([prompt] * 4, SamplingParams(16, 1.0))
+        trajs, advs = [], []
+        for i, g in enumerate(gens):
+            t = Trajectory(task_id=0, group_id=0)
+            t.start(prompt)
+            t.add_action(g.token_ids, g.logprobs)
+            trajs.append(t)
+            advs.append([(1.0 if i % 2 else -1.0) * m for m in t.loss_mask])
+        mx0, mean0 = _max_mean_diff(engine.prompt_logprobs([seq])[0], learner.sequence_logprobs([seq])[0])
+        free_awake = torch.cuda.mem_get_info()[0]
+        assert engine.sleep()  # what policy_update does before the update
+        free_asleep = torch.cuda.mem_get_info()[0]
+        learner.update(trajs, advs)
+        want = learner.sequence_logprobs([seq])[0]
+        engine.sync_weights()  # wakes the weights, loads the learner's in memory, wakes the KV cache
+        assert not engine.asleep
+        mx, mean = _max_mean_diff(engine.prompt_logprobs([seq])[0], want)
+        print(f"\nbefore update: max {mx0:.3f} mean {mean0:.4f}; after sleep + update + sync: max {mx:.3f} "
+              f"mean {mean:.4f}; GPU memory freed by sleep: {(free_asleep - free_awake) / 2**30:.2f} GiB")
+        assert free_asleep > free_awake  # the engine gave its memory back during the update
+        assert mean < 0.1 and mx < 1.5  # bf16 engine vs the learner under bf16 autocast (as the CPU bf16 test)
+        gens2 = engine.generate([prompt] * 2, SamplingParams(8, 1.0))  # and it generates again
+        assert all(len(g.token_ids) == len(g.logprobs) > 0 for g in gens2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_one_step_smoke_run_on_gpu(tmp_path):
+    """The CLI end to end on the GPU: one phase of one step (vLLM when its CUDA build is installed, else
+    transformers generation on the GPU), learner on CUDA, a checkpoint and the summary written."""
+    backend = "vllm" if HAS_VLLM else "transformers"
+    sets = ["model.device=cuda", f"rollout.backend={backend}", f"output_dir={tmp_path}",
+            'curriculum.phases=[{"turn_limit":2,"steps":1}]', "eval.n=4"]
+    exe = Path(sys.executable).with_name("scalinginter")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "flows.cli"]
+    cmd += ["run", "babyai", "--preset", "tiny", "--run-name", "gpu-one-step"]
+    for s in sets:
+        cmd += ["--set", s]
+    env = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180", **os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    summary = json.loads((tmp_path / "gpu-one-step" / "summary.json").read_text())
+    assert summary["final_checkpoint"] and summary["wall_time_s"] > 0
+    metrics = [json.loads(x) for x in (tmp_path / "gpu-one-step" / "metrics.jsonl").read_text().splitlines() if x]
+    assert metrics, "no training step recorded"
