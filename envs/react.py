@@ -2,9 +2,12 @@
 
 A reply is free text ending with a line ``Action: <action>``. Rules:
 
-* every ``Action:`` line (any case, markdown emphasis like ``**Action:**`` tolerated) is collected;
-  lines naming the same action (after ``normalize``) count once, different ones are an error
-  ("one action per turn");
+* every ``Action:`` is collected: at the start of a line in any case (markdown emphasis like ``**Action:**``
+  tolerated), or inside a line spelled ``Action:`` as AgentGym's clients look for it (``Thought: ... Action: x``
+  on one line; not inside a word, so ``reaction:`` is not one); the action is the rest of that line, or the next
+  line when nothing follows the colon. Actions naming the same action (after ``normalize``) count once,
+  different ones are an error ("one action per turn"). AgentGym's clients refuse two ``Action:`` even when
+  they agree and match ``Action:`` only in that spelling; both are places where this parser is more lenient;
 * without an ``Action:`` line, a reply that is a single non-empty line is taken as the bare action
   (clients that send just ``inventory``); anything longer is "no action found".
 """
@@ -18,8 +21,10 @@ from typing import Callable, Optional
 # Linear time on any input: the prefix class excludes newlines (so a run of blank lines is not rescanned from
 # every line start), runs of spaces/emphasis are one character class each, and the trailing whitespace is
 # stripped in Python instead of by a lazy group racing a ``\s*$`` (quadratic on long trailing runs).
-_ACTION_LINE = re.compile(r"^[ \t\r\f\v>*_#-]*action[ \t\r\f\v*_]*:[\s*_]*([^\n]*)",
-                          re.IGNORECASE | re.MULTILINE)
+# Mid-line, only the exact spelling ``Action:`` after a non-alphanumeric character (what AgentGym's clients match),
+# so prose like "my next action: ..." is not taken for an action line.
+_ACTION_LINE = re.compile(r"(?:^[ \t\r\f\v>*_#-]*(?i:action)|(?<![A-Za-z0-9])Action)[ \t\r\f\v*_]*:[\s*_]*([^\n]*)",
+                          re.MULTILINE)
 _STRIP = " \t\"'`*_"
 
 

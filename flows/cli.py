@@ -332,6 +332,10 @@ def view(
     mlflow_ui: Optional[str] = typer.Option(None, "--mlflow-ui",
                                             help="MLflow UI base URL for run links (default: the tracking URI "
                                                  "when it is a server, else http://127.0.0.1:5000)."),
+    token: Optional[str] = typer.Option(None, "--token",
+                                        help="Token every request must bring when --host is not loopback (default: "
+                                             "$SCALINGINTER_VIEW_TOKEN, else one is generated and printed in the "
+                                             "URL to open)."),
 ):
     """Serve the trajectory viewer: runs, steps, episodes turn by turn and their tokens (http://HOST:PORT/)."""
     if not runs_dir.is_dir() and not (tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")):
@@ -340,7 +344,7 @@ def view(
     from flows.viewer import serve
 
     try:
-        serve(runs_dir, tracking_uri, host, port, mlflow_ui)
+        serve(runs_dir, tracking_uri, host, port, mlflow_ui, token=token)
     except OSError as e:
         _fail(f"cannot listen on {host}:{port} ({e}): pick another --port")
 

@@ -869,7 +869,9 @@ def render_eval_episode(store: Store, name: str, i: int) -> str:
 
 
 # --- the app ------------------------------------------------------------------------------------------------------
-def create_app(runs_dir: str | Path = "runs", tracking_uri: str | None = None, mlflow_ui: str | None = None):
+def create_app(runs_dir: str | Path = "runs", tracking_uri: str | None = None, mlflow_ui: str | None = None,
+               token: str | None = None):
+    """The viewer app; with ``token`` every request must bring it (``flows.view_auth``)."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import HTMLResponse
@@ -880,6 +882,10 @@ def create_app(runs_dir: str | Path = "runs", tracking_uri: str | None = None, m
     app = FastAPI(title="ScalingInter trajectory viewer", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.store = store
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    if token:
+        from flows.view_auth import ViewerGuard
+
+        app.add_middleware(ViewerGuard, token=token)
 
     @app.exception_handler(NotFound)
     async def _not_found(_: Request, exc: NotFound):
@@ -954,12 +960,20 @@ def create_app(runs_dir: str | Path = "runs", tracking_uri: str | None = None, m
 
 
 def serve(runs_dir: str | Path = "runs", tracking_uri: str | None = None, host: str = V.DEFAULT_HOST,
-          port: int = V.DEFAULT_PORT, mlflow_ui: str | None = None) -> None:
+          port: int = V.DEFAULT_PORT, mlflow_ui: str | None = None, token: str | None = None) -> None:
+    """Off loopback a token is required (``token``, ``$SCALINGINTER_VIEW_TOKEN``, else one generated and printed
+    in the URL to open)."""
     import uvicorn
 
-    app = create_app(runs_dir, tracking_uri, mlflow_ui)
+    from flows.view_auth import login_url, resolve_token
+
+    token, generated = resolve_token(host, token, dict(os.environ))
+    app = create_app(runs_dir, tracking_uri, mlflow_ui, token=token)
     # the first token view needs transformers (seconds to import): import it now, off the request path
     threading.Thread(target=lambda: __import__("transformers.models.auto.tokenization_auto"), daemon=True).start()
+    if token:
+        print(f"viewer token {'generated' if generated else 'set'}: every request needs it; open "
+              f"{login_url(host, port, token)}", flush=True)
     print(f"trajectory viewer: http://{host}:{port}/  (runs from {Path(runs_dir).resolve()}"
           + (f", MLflow {app.state.store.tracking_uri}" if app.state.store.tracking_uri else "") + ")", flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")

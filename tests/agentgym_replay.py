@@ -20,7 +20,10 @@ and rules of both the BabyAI and the TextCraft server). The apps below answer:
   with a task loaded; ``/reset`` picks goal ``data_idx % goals`` (544); ``/step`` ``{"observation", "reward",
   "done"}``, reward 1 on crafting the goal; ``GET /observation`` a bare string; ``/close`` a bare bool.
 
-What a win is worth is test data (``wins``): the recording has no win. Every app keeps what it was sent in
+What a win is worth is test data (``wins``): the recording has no win. ``transcript_app`` replays a whole
+transcript in order (``babyai_farming.jsonl``: a synthetic one in the recorded format, see its ``.md``).
+TextCraft's goal names are the ones ``envs.agentgym.textcraft_goals()`` expects (the server reading its recipe
+files in sorted order) unless a test passes its own ``goal_names`` (a server whose listing order differs). Every app keeps what it was sent in
 ``app.state`` (``steps``: (id, action) pairs, ``resets``: (id, data_idx) pairs, ``goals``), so a test can check
 what reached the server.
 """
@@ -151,7 +154,7 @@ def babyai_app(wins: dict[tuple[int, str], float] | None = None) -> FastAPI:
             text = NOT_RECOGNIZED  # the current value stays what it was
         elif (e["data_idx"], action.strip()) in wins:
             e["reward"] = wins[(e["data_idx"], action.strip())]
-            text = "You did it." + ("\n The task is completed." if e["reward"] > 0.5 else "")
+            text = "You did it.\n The task is completed."  # appended before a late win's done is cleared
         else:
             e["reward"] = 0
             text = f"You {action.strip()}."
@@ -180,13 +183,48 @@ def babyai_app(wins: dict[tuple[int, str], float] | None = None) -> FastAPI:
     return app
 
 
-def textcraft_goal(k: int) -> str:
-    """The name of goal k of the replay's goal list (letters and digits only, as TextCraft's item names)."""
-    return f"gadget {k}"
+def transcript_app(name: str = "babyai_farming.jsonl") -> FastAPI:
+    """Replays a transcript in order: each request must be the next recorded one (method, path and JSON body,
+    compared parsed) and gets its recorded reply byte for byte; anything else answers 409 naming the difference.
+    ``app.state.served`` counts the exchanges served."""
+    from fastapi.responses import Response
+
+    ex = load_exchanges(name)
+    app = FastAPI()
+    app.state.served = 0
+
+    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    async def replay(path: str, request: Request):
+        i = app.state.served
+        req = await _json(request)
+        if i >= len(ex):
+            return JSONResponse({"detail": f"transcript over, got {request.method} /{path} {req}"}, 409)
+        e = ex[i]
+        if (request.method, "/" + path, req) != (e["method"], e["path"], e["req"] if e["method"] == "POST" else None):
+            return JSONResponse({"detail": f"exchange {i}: expected {e['method']} {e['path']} {e['req']}, got "
+                                           f"{request.method} /{path} {req}"}, 409)
+        app.state.served += 1
+        raw = (DATA / name).read_text().splitlines()[i]
+        return Response(json.loads(raw)["resp"], status_code=e["status"], media_type="application/json")
+
+    return app
 
 
-def textcraft_app(goals: int = 544) -> FastAPI:
-    """TextCraft's shapes: goal ``data_idx % goals``; "get 1 sunflower" then "craft 1 <goal> using 1 sunflower"."""
+def textcraft_goal(k: int, goal_names: list[str] | tuple[str, ...] | None = None) -> str:
+    """The name of goal ``k % len(goal_names)`` (default: the goal list the adapter expects)."""
+    from envs.agentgym import textcraft_goals
+
+    names = goal_names if goal_names is not None else textcraft_goals()
+    return names[k % len(names)]
+
+
+def textcraft_app(goal_names: list[str] | tuple[str, ...] | None = None) -> FastAPI:
+    """TextCraft's shapes: goal ``data_idx % len(goal_names)`` (default: the 544 goals the adapter expects, in its
+    order); "get 1 sunflower" then "craft 1 <goal> using 1 sunflower"."""
+    from envs.agentgym import textcraft_goals
+
+    names = list(goal_names if goal_names is not None else textcraft_goals())
+    goals = len(names)
     app = FastAPI()
     app.state.steps, app.state.resets, app.state.goals, app.state.closed = [], [], [], []
     envs: dict[int, dict[str, Any]] = {}
@@ -195,9 +233,9 @@ def textcraft_app(goals: int = 544) -> FastAPI:
     def load(e: dict[str, Any], k: int) -> str:
         g = k % goals
         app.state.goals.append(g)
-        e.update(goal=textcraft_goal(g), inventory=set(), done=False)
-        e["observation"] = (f"Crafting commands:\ncraft 1 {textcraft_goal(g)} using 1 sunflower\n\n"
-                            f"Goal: craft {textcraft_goal(g)}.")
+        e.update(goal=names[g], inventory=set(), done=False)
+        e["observation"] = (f"Crafting commands:\ncraft 1 {names[g]} using 1 sunflower\n\n"
+                            f"Goal: craft {names[g]}.")
         return e["observation"]
 
     def check(i: Any) -> dict[str, Any] | None:

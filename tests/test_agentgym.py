@@ -25,6 +25,7 @@ from envs.agentgym import (
     dialect_for,
     extract_reply_action,
     make_async_client,
+    textcraft_goals,
 )
 from envs.client import AsyncEnvClient
 from envs.errors import EnvServerError
@@ -72,7 +73,8 @@ def stand_in(flavour: str) -> FastAPI:
         e.update(count=0, done=False)
         if flavour == "searchqa":
             return f"Question {b['data_idx']}: count to three."  # bare string observation
-        return {"observation": f"Task {b['data_idx']}: count to three.", "reward": 0, "done": False}
+        goal = f"\n\nGoal: craft {textcraft_goals()[b['data_idx'] % 544]}." if flavour == "textcraft" else ""
+        return {"observation": f"Task {b['data_idx']}: count to three.{goal}", "reward": 0, "done": False}
 
     @app.post("/step")
     async def step(request: Request):
@@ -248,7 +250,13 @@ from envs.agentgym import SPLITS, split_map_for  # noqa: E402
 from envs.base import task_index  # noqa: E402
 from envs.errors import EnvBadRequest  # noqa: E402
 from tasks.rollout import EnvConfigError  # noqa: E402
-from tests.agentgym_replay import babyai_app, load_exchanges, textcraft_app, textcraft_goal  # noqa: E402
+from tests.agentgym_replay import (  # noqa: E402
+    babyai_app,
+    load_exchanges,
+    textcraft_app,
+    textcraft_goal,
+    transcript_app,
+)
 
 
 def test_replay_babyai_serves_the_recorded_exchanges_to_the_adapter():
@@ -312,27 +320,55 @@ def _agentgym_return(responses: list[dict]) -> float:
 
 @pytest.mark.parametrize("moves,worth,success", [
     (["turn left", "go to red ball 1"], 0.8875, True),  # a win: done
-    (["turn left", "go to red ball 1", "jump", "turn left"], 0.4, False),  # late win <= 0.5: done un-set, runs on
-    (["jump", "jump"], 0.0, False),
+    (["turn left", "go to red ball 1"], 0.4, False),  # late win <= 0.5: the server leaves done unset; over here
+    (["jump", "jump", "turn left"], 0.0, False),
 ])
-def test_babyai_rewards_are_read_as_the_server_means_them(moves, worth, success):
-    """``reward`` is the current value, ``score`` the running sum: per-step reward = score change, so the episode
-    return equals what AgentGym's client scores (the last score), and done/success follow the server's done."""
+def test_babyai_rewards_follow_the_servers_success_rule(moves, worth, success):
+    """``reward`` is the episode's current value: the step reward is its rise, so a win counts once and the
+    episode ends at it (a late win too, which the server leaves running); success is the server's ``done``."""
     app = babyai_app({(1_000_002, "go to red ball 1"): worth} if worth else None)
-    seen = []
     with TestClient(app) as tc:
         c = AgentGymClient("http://testserver", "babyai", http_client=tc)
         env_id = c.create()
         c.reset(env_id, task_index("test", 2))
-        results = []
-        for m in moves:
-            results.append(c.step(env_id, f"Action: {m}"))
-            seen.append({"score": results[-1].info["score"]})
-        if worth == 0.4:  # the late win is credited on each later step, as the server's score counts it
-            assert [r.reward for r in results] == pytest.approx([0, 0.4, 0.4, 0.0])
-            assert not any(r.done for r in results)
-    assert sum(r.reward for r in results) == pytest.approx(_agentgym_return(seen))
-    assert results[-1].info["success"] is success and results[-1].terminated is success
+        results = [c.step(env_id, f"Action: {m}") for m in moves]
+    assert sum(r.reward for r in results) == pytest.approx(worth)
+    assert [r.terminated for r in results] == [False] * (len(moves) - 1) + [bool(worth)]
+    assert results[-1].info["success"] is success and results[-1].info["score"] == pytest.approx(worth)
+    assert results[-1].info.get("late_win", False) is (0 < worth <= 0.5)
+
+
+def test_replay_babyai_farming_after_a_late_win_is_not_credited():
+    """The farming sequence (tests/data/agentgym/babyai_farming.jsonl, synthetic in the recorded format): after a
+    late win worth 0.4375 the server's ``score`` grows by 0.4375 on each unrecognised / check action, to 1.75, what
+    AgentGym's client reports. The adapter credits the win once, ends the episode there, and adds nothing after."""
+    ex = load_exchanges("babyai_farming.jsonl")
+    steps = [e for e in ex if e["path"] == "/step"]
+    assert steps[-1]["resp"]["score"] == pytest.approx(1.75)  # the hazard, as the server reports it
+    app = transcript_app("babyai_farming.jsonl")
+    with TestClient(app) as tc:
+        c = AgentGymClient("http://testserver", "babyai", http_client=tc)
+        env_id = c.create()
+        c.reset(env_id, task_index("test", 2))
+        results = [c.step(env_id, f"Thought: next.\nAction: {e['req']['action']}") for e in steps]
+        assert c.close(env_id) is True
+    assert app.state.served == len(ex)  # every exchange replayed, in order
+    win = next(i for i, e in enumerate(steps) if e["resp"]["reward"] > 0)
+    assert not any(r.terminated for r in results[:win]) and all(r.reward == 0 for r in results[:win])
+    w = results[win]
+    assert w.terminated and w.reward == pytest.approx(0.4375) and not w.info["success"] and w.info["late_win"]
+    assert all(r.reward == 0 and r.terminated and not r.info["success"] for r in results[win + 1:])
+    assert sum(r.reward for r in results) == pytest.approx(0.4375)  # not the 1.75 the server's score reached
+
+
+def test_a_clean_win_still_scores_its_worth_and_success():
+    app = babyai_app({(1_000_003, "go to purple key 1"): 0.9})
+    with TestClient(app) as tc:
+        c = AgentGymClient("http://testserver", "babyai", http_client=tc)
+        env_id = c.create()
+        c.reset(env_id, task_index("test", 3))
+        r = c.step(env_id, "Thought: it is right there. Action: go to purple key 1")  # one line, as AgentGym allows
+    assert r.terminated and r.info["success"] and r.reward == pytest.approx(0.9) and r.info["server_score"] == 0.9
 
 
 def test_errors_of_the_real_server_mask_the_episode():
@@ -384,6 +420,8 @@ def test_textcraft_split_holds_out_goals_training_never_draws():
                 obs = c.reset(env_id, task_index(split, i)).observation
                 assert obs.endswith(f"Goal: craft {textcraft_goal(app.state.goals[-1])}.")
             goals[split] = app.state.goals[start:]
+    assert app.state.goals[:7] == [0, 1, 136, 272, 408, 543, 0]  # the goal-order probes, once, then the tasks
+    goals["train"] = goals["train"][7:]
     assert not set(goals["train"]) & set(goals["test"])
     assert len(set(goals["train"])) == 436 and len(set(goals["test"])) == 108  # every goal in exactly one split
     assert goals["test"][:108] == goals["test"][108:216]  # i and i + 108 are the same goal: n distinct tasks
@@ -415,3 +453,121 @@ def test_refused_split_fails_the_rollout_at_once_not_masked():
 
     with pytest.raises(EnvConfigError, match="sciworld server lists every variation"):
         asyncio.run(go())
+
+
+# --- TextCraft: the server's goal order is checked before its split is trusted ------------------------------
+from envs.agentgym import GOAL_ORDER_FIX, goal_probes  # noqa: E402
+
+
+def test_textcraft_goal_list_is_544_goals_in_a_fixed_order():
+    goals = textcraft_goals()
+    assert len(goals) == 544 and len(set(goals)) == 544
+    assert goals[:3] == ("acacia planks", "acacia wood", "beacon")  # depth 1 first, then the sorted listing's order
+
+
+def test_replay_textcraft_server_in_the_expected_order_is_accepted():
+    app = textcraft_app()
+    with TestClient(app) as tc:
+        c = AgentGymClient("http://testserver", "textcraft", http_client=tc)
+        env_id = c.create()
+        app.state.goals.clear()
+        r = c.reset(env_id, task_index("test", 0))
+        assert r.observation.endswith(f"Goal: craft {textcraft_goal(4)}.")  # test goal 0 is goal 4
+        c.reset(env_id, task_index("train", 1))
+    assert [k for _, k in app.state.resets] == [*goal_probes(), 4, 1]  # probed once, before the first task
+    assert app.state.goals[-2:] == [4, 1] and app.state.goals[6] == 0  # data_idx 544 is goal 0: 544 goals
+
+
+@pytest.mark.parametrize("names", [
+    "shuffled",  # another install's os.listdir order
+    "one more",  # a server with 545 goals: index 544 is no longer goal 0
+    "late",  # agrees on every probe, differs at a task's own index: caught at that reset
+])
+def test_replay_textcraft_server_in_another_order_is_refused_with_the_fix(names):
+    import random
+
+    goals = list(textcraft_goals())
+    if names == "shuffled":
+        random.Random(0).shuffle(goals)
+    elif names == "one more":
+        goals.append("extra item")
+    else:
+        goals[7], goals[8] = goals[8], goals[7]
+    app = textcraft_app(goals)
+    with TestClient(app) as tc:
+        c = AgentGymClient("http://testserver", "textcraft", http_client=tc)
+        env_id = c.create()
+        if names == "late":
+            c.reset(env_id, task_index("train", 0))
+            idx = task_index("train", 6)  # goal 7 (train goals skip 4)
+        else:
+            idx = task_index("train", 0)
+        with pytest.raises(EnvBadRequest) as e:
+            c.reset(env_id, idx)
+    msg = str(e.value)
+    assert e.value.code == "split_refused" and "\n" not in msg
+    assert "goal order differs" in msg and GOAL_ORDER_FIX in msg and "sorted(os.listdir" in msg
+    assert env_id in app.state.closed  # the env is dropped
+
+
+def test_textcraft_server_that_names_no_goal_is_refused():
+    app = stand_in("sciworld")  # observations without a "Goal: craft" line
+    with TestClient(app) as tc:
+        c = AgentGymClient("http://testserver", "textcraft", http_client=tc)
+        with pytest.raises(EnvBadRequest, match="names no goal"):
+            c.reset(c.create(), 0)
+
+
+def test_goal_order_refusal_fails_the_rollout_at_once():
+    """Through HttpEpisode: a configuration error (EnvConfigError), not a masked episode; concurrent first resets
+    share one probe."""
+    goals = list(textcraft_goals())
+    goals.reverse()
+
+    async def go(app):
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver")
+        client = AsyncAgentGymClient("http://testserver", "textcraft", http_client=http)
+        try:
+            eps = [HttpEpisode(client) for _ in range(3)]
+            return await asyncio.gather(*(ep.reset(task_index("train", i)) for i, ep in enumerate(eps)))
+        finally:
+            await http.aclose()
+
+    with pytest.raises(EnvConfigError, match="goal order differs.*fix: make the server read"):
+        asyncio.run(go(textcraft_app(goals)))
+    ok = textcraft_app()
+    assert len(asyncio.run(go(ok))) == 3
+    resets = [k for _, k in ok.state.resets]
+    assert resets[:7] == list(goal_probes()) and sorted(resets[7:]) == [0, 1, 2]  # one probe for three episodes
+
+
+# --- the Action parser accepts what AgentGym's clients accept ------------------------------------------------
+@pytest.mark.parametrize("reply,env,want", [
+    ("Thought: the ball is ahead. Action: go to red ball 1", "babyai", "go to red ball 1"),  # one line
+    ("Thought:\nI need logs.\n\nAction:\nget 1 oak log", "textcraft", "get 1 oak log"),  # AgentGym's own format
+    ("I know the recipe.Action: craft 4 oak planks using 1 oak log", "textcraft",
+     "craft 4 oak planks using 1 oak log"),
+    ("1. Action: turn left", "babyai", "turn left"),
+    ("Next Action: **look**", "textcraft", "inventory"),
+])
+def test_adapter_accepts_action_wherever_agentgyms_clients_find_it(reply, env, want):
+    assert extract_reply_action(reply, dialect_for(env)) == (want, None)
+
+
+def test_our_envs_parsers_accept_the_one_line_form_too():
+    from envs.babyai.parse import parse_action as babyai_parse
+    from envs.react import extract_action
+    from envs.textcraft.parse import parse_action as textcraft_parse
+
+    line = "Thought: I have the log. Action: craft 4 oak planks using 1 oak log."
+    assert textcraft_parse(line).action == "craft 4 oak planks using 1 oak log"
+    assert textcraft_parse('Thought: x Action: get 1 "oak log"!').action == "get 1 oak log"  # kept chars only
+    assert textcraft_parse("Action: look").action == "inventory"
+    assert babyai_parse("Thought: there. Action: go to red ball 1.", ["turn left", "go to red ball 1"]).action \
+        == "go to red ball 1"
+    assert extract_action("Thought: open it. Action: open door to kitchen").action == "open door to kitchen"  # sciworld
+    # stricter on purpose, or where AgentGym's clients match nothing either:
+    assert extract_action("my reaction: calm\nAction: wait").action == "wait"  # 'reaction:' is no Action
+    assert extract_action("the best action: wait\nlook around").action is None  # prose, lower case, mid-line
+    assert extract_action("Action: wait\nAction: look").action is None  # two different actions: refused
+    assert extract_action("Action: wait\nAction: wait.").action == "wait"  # the same one twice: taken

@@ -197,3 +197,66 @@ def test_expert_solves_every_local_task(env):
             if not (r.terminated and r.info["success"]):
                 failed.append((split, i, r.observation[:200]))
     assert not failed, failed
+
+
+# --- Chromium's sandbox: kept where the kernel allows it, a logged fallback otherwise ---------------------------
+def test_chromium_sandbox_decision_logic(caplog):
+    import asyncio
+    import logging
+
+    from envs.web.browser import BrowserUnavailable, launch_chromium, sandbox_attempts
+
+    assert sandbox_attempts(None) == sandbox_attempts("auto") == [True, False]
+    assert sandbox_attempts("1") == [True] and sandbox_attempts("0") == [False]
+    with pytest.raises(BrowserUnavailable, match="SI_CHROMIUM_SANDBOX"):
+        sandbox_attempts("maybe")
+
+    def fake(sandbox_ok: bool):
+        calls = []
+
+        async def launch(**kw):
+            calls.append(kw)
+            if kw["chromium_sandbox"] and not sandbox_ok:
+                raise RuntimeError("Running as root without --no-sandbox is not supported.\nmore")
+            return "browser"
+        return launch, calls
+
+    launch, calls = fake(True)  # the kernel allows it: one sandboxed launch, no --no-sandbox anywhere
+    with caplog.at_level(logging.WARNING, logger="envs.web.browser"):
+        assert asyncio.run(launch_chromium(launch, "/x", "auto")) == ("browser", True)
+    assert len(calls) == 1 and "--no-sandbox" not in calls[0]["args"] and not caplog.records
+
+    launch, calls = fake(False)  # it does not: the fallback, with --no-sandbox, logged with the reason
+    with caplog.at_level(logging.WARNING, logger="envs.web.browser"):
+        assert asyncio.run(launch_chromium(launch, "/x", "auto")) == ("browser", False)
+    assert [c["chromium_sandbox"] for c in calls] == [True, False] and "--no-sandbox" in calls[1]["args"]
+    assert any("WITHOUT its sandbox" in r.message and "Running as root" in r.message for r in caplog.records)
+
+    launch, calls = fake(False)  # sandbox required: no fallback
+    with pytest.raises(BrowserUnavailable, match="sandboxed: Running as root"):
+        asyncio.run(launch_chromium(launch, "/x", "1"))
+    assert len(calls) == 1
+
+
+def test_chromium_launches_here_with_the_sandbox_if_the_kernel_allows_it(caplog):
+    """Real Chromium: which of the two this machine allows (reported by the assertion's message on failure)."""
+    import asyncio
+    import logging
+    import os
+
+    from envs.web.browser import CHROMIUM, launch_chromium
+
+    pw = pytest.importorskip("playwright.async_api")
+    if not os.path.exists(CHROMIUM):
+        pytest.skip("no Chromium")
+
+    async def go():
+        async with pw.async_playwright() as p:
+            browser, sandboxed = await launch_chromium(p.chromium.launch, CHROMIUM, "auto", timeout=60_000)
+            await browser.close()
+            return sandboxed
+
+    with caplog.at_level(logging.WARNING, logger="envs.web.browser"):
+        sandboxed = asyncio.run(go())
+    warned = any("WITHOUT its sandbox" in r.message for r in caplog.records)
+    assert warned is (not sandboxed)  # unsandboxed only ever as the logged fallback

@@ -3,7 +3,7 @@
 The action comes from the reply's ``Action:`` line (``envs.react`` rules: one distinct action per reply).
 Well-formed actions, in canonical spelling:
 
-* ``inventory``
+* ``inventory`` (``look`` and ``check inventory`` mean it too)
 * ``get N item``                               e.g. ``get 2 oak log``
 * ``craft N item using N item, N item, ...``   e.g. ``craft 4 oak planks using 1 oak log``
 
@@ -38,8 +38,10 @@ class Parsed:
 
 
 def normalize(text: str) -> str:
+    """Lower case; ``minecraft:`` prefixes dropped, underscores as spaces; then, as AgentGym's TextCraft client
+    does, only letters, digits, commas and spaces kept (``get 1 "oak log"!`` -> ``get 1 oak log``)."""
     text = default_normalize(text).replace("minecraft:", "").replace("_", " ")
-    return " ".join(text.split())
+    return " ".join(re.sub(r"[^a-z0-9, ]+", "", text).split())
 
 
 def _count(raw: str, what: str) -> tuple[Optional[int], Optional[str]]:
@@ -52,7 +54,7 @@ def _count(raw: str, what: str) -> tuple[Optional[int], Optional[str]]:
 def canonical(action: str) -> Parsed:
     """Check the syntax of one normalized action and return its canonical spelling."""
     a = normalize(action)
-    if a == "inventory" or a == "check inventory":
+    if a in ("inventory", "check inventory", "look"):  # "look": AgentGym's client sends inventory for it
         return Parsed("inventory", None)
     m = _GET.match(a)
     if m:

@@ -30,9 +30,8 @@ from typing import Any, Awaitable
 log = logging.getLogger("envs.web.browser")
 
 CHROMIUM = os.environ.get("SI_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = [
+CHROMIUM_ARGS = [  # no --no-sandbox: the sandbox stays on wherever the kernel allows it (see launch_chromium)
     "--headless",
-    "--no-sandbox",
     "--disable-gpu",
     "--disable-background-networking",
     "--disable-component-update",
@@ -46,6 +45,46 @@ CHROMIUM_ARGS = [
 
 class BrowserUnavailable(RuntimeError):
     """Chromium or Playwright is missing, or the browser could not be started."""
+
+
+SANDBOX_ENV = "SI_CHROMIUM_SANDBOX"  # auto (default): sandbox, else a logged fallback; 1: sandbox or fail; 0: off
+
+
+def sandbox_attempts(setting: str | None) -> list[bool]:
+    """The sandbox settings to launch Chromium with, in order (True: sandboxed). ``auto``: sandboxed first, and
+    without the sandbox only when that launch fails (a kernel without unprivileged user namespaces, root in a
+    container without the setuid helper); ``1``: sandboxed only; ``0``: unsandboxed only."""
+    v = (setting or "auto").strip().lower()
+    if v in ("1", "true", "yes", "on", "require"):
+        return [True]
+    if v in ("0", "false", "no", "off"):
+        return [False]
+    if v != "auto":
+        raise BrowserUnavailable(f"{SANDBOX_ENV}={setting!r}: expected auto, 1 or 0")
+    return [True, False]
+
+
+async def launch_chromium(launch: Any, executable: str, setting: str | None = None, **kw: Any) -> tuple[Any, bool]:
+    """(browser, sandboxed): ``launch`` is Playwright's ``chromium.launch``, tried per ``sandbox_attempts``
+    (``$SI_CHROMIUM_SANDBOX`` when ``setting`` is None). Running without the sandbox is logged as a warning."""
+    setting = os.environ.get(SANDBOX_ENV) if setting is None else setting
+    errors = []
+    for sandboxed in sandbox_attempts(setting):
+        args = CHROMIUM_ARGS if sandboxed else [*CHROMIUM_ARGS, "--no-sandbox"]
+        try:
+            browser = await launch(executable_path=executable, headless=True, args=args, chromium_sandbox=sandboxed,
+                                   **kw)
+        except Exception as exc:  # noqa: BLE001
+            lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()] or [type(exc).__name__]
+            first = next((ln for ln in lines if "sandbox" in ln.lower()), lines[0])  # the reason, where it says
+            errors.append(f"{'sandboxed' if sandboxed else 'without sandbox'}: {first}")
+            continue
+        if not sandboxed:
+            log.warning("Chromium runs WITHOUT its sandbox (%s); pages it loads are not isolated from this user: "
+                        "allow unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1) or run as "
+                        "a non-root user to keep it", "; ".join(errors) or f"{SANDBOX_ENV}=0")
+        return browser, sandboxed
+    raise BrowserUnavailable(f"could not start Chromium ({executable}): " + "; ".join(errors))
 
 
 class PoolExhausted(RuntimeError):
@@ -112,6 +151,7 @@ class BrowserPool:
         self._browser: Any = None
         self._browser_lock: asyncio.Lock | None = None
         self.launches = 0
+        self.sandboxed: bool | None = None  # whether the running Chromium has its sandbox (None: not launched)
         self.contexts_created = 0
         self.contexts_retired = 0
         self._closed = False
@@ -152,14 +192,11 @@ class BrowserPool:
                 from playwright.async_api import async_playwright
 
                 self._pw = await async_playwright().start()
-            try:
-                self._browser = await self._pw.chromium.launch(
-                    executable_path=self.executable, headless=True, args=CHROMIUM_ARGS, timeout=60_000
-                )
-            except Exception as exc:  # noqa: BLE001
-                raise BrowserUnavailable(f"could not start Chromium ({self.executable}): {exc}") from exc
+            self._browser, self.sandboxed = await launch_chromium(self._pw.chromium.launch, self.executable,
+                                                                  timeout=60_000)
             self.launches += 1
-            log.info("launched Chromium (%d launch(es) so far)", self.launches)
+            log.info("launched Chromium (%d launch(es) so far, sandbox %s)", self.launches,
+                     "on" if self.sandboxed else "off")
             return self._browser
 
     async def _new_context(self) -> Any:
@@ -262,7 +299,7 @@ class BrowserPool:
     # --- stats / shutdown --------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         return {"leased": len(self._leased), "idle": len(self._idle), "max_contexts": self.max_contexts,
-                "launches": self.launches, "contexts_created": self.contexts_created,
+                "launches": self.launches, "sandboxed": self.sandboxed, "contexts_created": self.contexts_created,
                 "contexts_retired": self.contexts_retired}
 
     def browser_pid(self) -> int | None:
