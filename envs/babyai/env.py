@@ -12,11 +12,18 @@ Only currently possible actions are listed; "pick up <object>" macros are listed
 is about picking up or putting objects (the bare "pick up" primitive stays available when facing an
 object), which keeps observations short in the go-to levels.
 Reward, termination and truncation are minigrid's own.
+
+The expert (``envs.babyai.expert``: minigrid's ``BabyAIBot``, its subgoals phrased as this env's macros where
+one fits, else its primitive) labels every task at reset with ``info["required_turns"]``, the turns it takes
+to solve the task with these actions (option ``label_turns``; cached per (level, seed)), and names its next
+action for the current state in ``info["expert_action"]`` after every reset and step (option
+``expert_hints``; None once it gave up or the episode is over). Neither changes observations or rewards.
 """
 
 from __future__ import annotations
 
 import re
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -25,6 +32,7 @@ import minigrid  # noqa: F401  (registers the BabyAI-* gymnasium ids)
 
 from envs.base import TEST_OFFSET, StepResult, quiet_stdout, split_of
 from envs.babyai import planner
+from envs.babyai.expert import ExpertDriver, solve
 from envs.babyai.parse import normalize, parse_action
 from envs.babyai.render import ObjView, describe_ahead, render_invalid, render_observation
 
@@ -40,6 +48,7 @@ DEFAULT_LEVELS = (
 )
 TEST_SEED_BASE = 1_000_000_000  # test seeds live in [1e9, 1e9 + 1e6); train seeds in [0, 1e6)
 MAX_DATA_IDX = 2 * TEST_OFFSET  # exclusive
+LABEL_CACHE_SIZE = 65_536  # (level, seed) -> required turns, per env instance
 
 PICKABLE = ("ball", "key", "box")
 _NOT_OBJECTS = ("wall", "empty", "unseen", "floor", "agent")
@@ -134,14 +143,34 @@ class _Option:
     target: Optional[_Known] = None
 
 
+def _flag(value: Any, name: str) -> bool:
+    """A boolean option (also 'true'/'false'/'1'/'0' from a command line or query string)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
 class BabyAIEnv:
     name = "babyai"
 
-    def __init__(self, levels: list[str] | str | None = None, max_steps: int | None = None):
+    def __init__(self, levels: list[str] | str | None = None, max_steps: int | None = None,
+                 label_turns: bool = True, expert_hints: bool = True):
         self.levels = parse_levels(levels)
         if max_steps is not None and (isinstance(max_steps, bool) or int(max_steps) < 1):
             raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
         self.max_steps = int(max_steps) if max_steps is not None else None
+        self.label_turns = _flag(label_turns, "label_turns")  # info["required_turns"] at reset
+        self.expert_hints = _flag(expert_hints, "expert_hints")  # info["expert_action"] after reset and step
+        self._driver: Optional[ExpertDriver] = None
+        self._expert_next: Optional[str] = None
+        self._labels: OrderedDict[tuple[str, int], Optional[int]] = OrderedDict()
+        self._sim: Optional["BabyAIEnv"] = None  # the labeller's own env (same levels and step limit)
+        self.label_failures = 0  # resets whose task the expert did not solve (no required_turns)
         self._envs: dict[str, Any] = {}
         self._env: Any = None
         self._obs = ""
@@ -173,6 +202,37 @@ class BabyAIEnv:
 
     def reset(self, data_idx: int) -> tuple[str, dict[str, Any]]:
         level, seed = self.task(data_idx)
+        self._begin(level, seed, int(data_idx))
+        if self.label_turns:
+            turns = self.required_turns(level, seed)
+            if turns is not None:
+                self._meta["required_turns"] = turns
+        return self._obs, self._info(valid=True, action=None, turn_steps=0)
+
+    def required_turns(self, level: str, seed: int) -> Optional[int]:
+        """Turns the expert takes to solve (level, seed) with this env's actions (None: it did not), by playing
+        the task on a second env instance; cached."""
+        key = (level, int(seed))
+        if key in self._labels:
+            self._labels.move_to_end(key)
+            return self._labels[key]
+        if self._sim is None:
+            self._sim = BabyAIEnv(self.levels, self.max_steps, label_turns=False, expert_hints=True)
+        self._sim._begin(level, int(seed), -1)
+        turns, _ = solve(self._sim)
+        if turns is None:
+            self.label_failures += 1
+        self._labels[key] = turns
+        if len(self._labels) > LABEL_CACHE_SIZE:
+            self._labels.popitem(last=False)
+        return turns
+
+    def expert_next_action(self) -> Optional[str]:
+        """The expert's next action phrase for the current state (None: no hints, gave up, or episode over)."""
+        return self._expert_next
+
+    def _begin(self, level: str, seed: int, data_idx: int) -> None:
+        """Reset the minigrid env of ``level`` with ``seed`` and this env's episode state."""
         env = self._envs.get(level)
         if env is None:
             env = gym.make(level, disable_env_checker=True).unwrapped
@@ -186,12 +246,14 @@ class BabyAIEnv:
         self._pickup_macros = "pick up" in env.mission or "put " in env.mission
         self._known, self._counts = [], {}
         self._over = self._terminated = self._truncated = self._success = False
-        self._meta = {"level": level, "seed": seed, "data_idx": int(data_idx), "split": split_of(int(data_idx)),
+        self._meta = {"level": level, "seed": seed, "data_idx": int(data_idx),
+                      "split": split_of(int(data_idx)) if data_idx >= 0 else None,
                       "mission": env.mission, "max_steps": env.max_steps,
                       "category": short_name(level)}  # per-category eval scores: the level
         self._refresh()
+        self._driver = ExpertDriver(self) if self.expert_hints else None
+        self._expert_next = self._driver.next_action() if self._driver is not None else None
         self._obs = self._render(None)
-        return self._obs, self._info(valid=True, action=None, turn_steps=0)
 
     def step(self, action: str) -> StepResult:
         if self._env is None:
@@ -220,6 +282,8 @@ class BabyAIEnv:
             if terminated or truncated:
                 break
             self._observe()
+            if self._driver is not None:
+                self._driver.observe(a)
         if terminated:
             truncated = False  # a terminal state, even if it was also the last allowed step
         self._terminated, self._truncated = bool(terminated), bool(truncated)
@@ -229,6 +293,8 @@ class BabyAIEnv:
         feedback = self._feedback(phrase, option, taken)
         if not self._over:
             self._refresh()
+        self._expert_next = (self._driver.next_action()
+                             if self._driver is not None and not self._over else None)
         self._obs = self._render(feedback)
         return StepResult(self._obs, reward, self._terminated, self._truncated,
                           self._info(valid=True, action=phrase, turn_steps=taken))
@@ -241,6 +307,10 @@ class BabyAIEnv:
             env.close()
         self._envs.clear()
         self._env = None
+        self._driver = None
+        if self._sim is not None:
+            self._sim.close()
+            self._sim = None
 
     # -- helpers for callers -------------------------------------------------------------------------
     def available_actions(self) -> list[str]:
@@ -248,7 +318,7 @@ class BabyAIEnv:
 
     # -- internals -----------------------------------------------------------------------------------
     def _info(self, valid: bool, action: Optional[str], turn_steps: int) -> dict[str, Any]:
-        return {
+        info = {
             **self._meta,
             "success": self._success,
             "valid_action": valid,
@@ -257,6 +327,9 @@ class BabyAIEnv:
             "turn_steps": turn_steps,
             "available_actions": self.available_actions(),
         }
+        if self.expert_hints:
+            info["expert_action"] = self._expert_next
+        return info
 
     def _name_for(self, obj) -> _Known:
         for k in self._known:

@@ -34,6 +34,33 @@ PRESETS: dict[str, dict[str, Any]] = {
         "algo": {"lr": 3e-5, "kl_coef": 0.0, "micro_batch_size": 4},
         "eval": {"n": 128},
     },
+    # Multi-step tasks whose horizons matter: levels chosen by the turns the expert (envs/babyai/expert.py:
+    # minigrid's BabyAIBot phrased as this env's macro and primitive actions) needs, info["required_turns"].
+    # Measured on the preset's own train indices 0..699 (100 per level; every task labelled, the expert solves all):
+    #   GoToLocal       1: 59, 2-3: 37, 4-6: 3, 7: 1      (walk to a seen object; turn first when it is not in view)
+    #   PickupLoc       1: 39, 2-3: 57, 4-6: 3, 10: 1
+    #   OpenTwoDoors    2-3: 59, 4-6: 41                  (open one door, cross the room, open the other)
+    #   UnlockLocal     2-3: 21, 4-6: 69, 7-10: 8, 11-12: 2 (fetch the key, open the locked door)
+    #   PutNextS4N1     2-3: 5, 4-6: 79, 7-8: 16          (pick up, carry, drop next to: the carrying is primitive)
+    #   UnlockPickup    4-6: 19, 7-8: 81                  (key, unlock, drop the key, pick up the box)
+    #   KeyCorridorS3R1 9: 100
+    #   all             1: 14 %, 2-3: 26 %, 4-6: 31 %, 7-10: 30 %, 11+: 0.3 %
+    # so each bucket of the 3 -> 6 -> 10 turn limits has tasks that just fit and tasks that need the next phase.
+    # Left out: PutNextLocal (13 % need 11-16 turns, 8 objects per observation), Open, Unlock, SynthLoc,
+    # GoToObjMaze, UnblockPickup (medians 11-36 turns: exploration of several rooms runs on primitives).
+    # Observations along the expert's path: 277 characters median, 789 at most; a 10-turn episode of random play
+    # (instruction, observations, 24-token replies, chat framing) is 1,399 SmolLM2 tokens median, 2,655 at most
+    # (140 tasks), within the 3,072-token budget. Eval: 140 held-out tasks (20 per level).
+    "multistep": {
+        "env": {"options": {"levels": "GoToLocal,PickupLoc,OpenTwoDoors,UnlockLocal,PutNextS4N1,UnlockPickup,"
+                                      "KeyCorridorS3R1"}},
+        "curriculum": {"phases": [{"turn_limit": 3, "steps": 10}, {"turn_limit": 6, "steps": 10},
+                                  {"turn_limit": 10, "steps": 10}]},
+        "rollout": {"tasks_per_step": 8, "samples_per_task": 4, "max_new_tokens": 24, "token_budget": 3072,
+                    "temperature": 1.0},
+        "algo": {"lr": 3e-5, "kl_coef": 0.0, "micro_batch_size": 4},
+        "eval": {"n": 140},
+    },
     # The smallest real run, for end-to-end tests: 1 step per phase, few short episodes.
     "tiny": {
         "env": {"options": {"levels": "GoToObj"}},
