@@ -12,10 +12,18 @@ tokens and env tokens) and returns per-token advantages that are 0 everywhere bu
 - ``bootstrap``: per sequence, the value of the state after its last action (PPO only): 0 when the episode
   terminated (success, failure: nothing follows), the critic's value of the truncated state when a turn limit
   or token budget cut it short (``bootstrap_values``) — truncation is not termination;
-- ``kl``: per-token KL estimate log pi_old - log pi_ref (REINFORCE++ puts ``-kl_coef * kl`` in the reward).
+- ``kl``: per-token KL estimate log pi_old - log pi_ref (REINFORCE++ puts ``-kl_coef * kl`` in the reward);
+- ``turn_ends``: per sequence, the index of each turn's last action token (``Trajectory.action_ends``); the tokens
+  of turn k are the policy tokens after turn k-1's end up to turn k's end (env tokens need not be contiguous:
+  a history window puts a whole prompt between two turns). Filled for estimators that work per turn
+  (``needs_turns``: GiGPO) and for per-turn discounting (``EstimatorParams.discount == "turn"``);
+- ``anchors``: per sequence, per turn, the anchor-state key, the observation the turn acted on
+  (``core.trajectory.turn_observations``; GiGPO groups the turns of a task's group that share one).
 
 Token-level recursions (GAE, discounted returns) run over *policy tokens only*: the successor of a turn's
 last action token is the next turn's first action token; env tokens are skipped, never bootstrapped from.
+With ``discount="turn"`` gamma is applied once per turn boundary instead of once per token (reinforce++), or the
+return from turn k is normalised among the group's turns k (grpo). GiGPO always discounts per turn.
 
 Each estimator has a plain-Python reference version (``*_reference``, lists in, lists out, written to be
 read) and the vectorised tensor version the learner uses; tests check they agree.
@@ -25,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -42,6 +50,8 @@ class AdvantageBatch:
     values: torch.Tensor | None = None  # [B, T] (PPO)
     kl: torch.Tensor | None = None  # [B, T] log pi_old - log pi_ref (REINFORCE++)
     bootstrap: torch.Tensor | None = None  # [B] V(s_T) after the last action; None = 0 for all (PPO)
+    turn_ends: list[list[int]] | None = None  # per sequence: each turn's last action token (per-turn estimators)
+    anchors: list[list[str]] | None = None  # per sequence, per turn: the anchor-state key (GiGPO)
 
 
 @dataclass
@@ -51,12 +61,21 @@ class EstimatorParams:
     normalize_std: bool = True  # GRPO: divide by the group std
     whiten: bool = True  # PPO: normalise advantages over the batch's policy tokens
     kl_coef: float = 0.0  # REINFORCE++: KL penalty in the reward
+    step_weight: float = 1.0  # GiGPO: omega, the weight of the step-level (anchor-state) advantage
+    discount: str = "token"  # reinforce++ / grpo: gamma per policy token ("token") or per turn ("turn")
+
+    @classmethod
+    def from_algo(cls, a) -> "EstimatorParams":
+        """The estimator parameters of an ``AlgoConfig`` (duck-typed: core.config is not imported here)."""
+        return cls(gamma=a.gamma, lam=a.lam, normalize_std=a.normalize_std, whiten=a.whiten_advantages,
+                   kl_coef=a.kl_coef, step_weight=a.gigpo_step_weight, discount=a.discount)
 
 
 @dataclass
 class AdvantageResult:
     advantages: torch.Tensor  # [B, T]
     returns: torch.Tensor | None = None  # [B, T] critic targets (PPO)
+    stats: dict[str, float] = field(default_factory=dict)  # estimator-specific metrics (GiGPO's step groups)
 
 
 @dataclass(frozen=True)
@@ -67,15 +86,17 @@ class EstimatorSpec:
     kl_in_reward: bool = False  # REINFORCE++: the KL penalty is in the reward, not in the loss
     needs_groups: bool = False  # group baselines need >= 2 samples per task
     description: str = ""
+    needs_turns: bool = False  # per-turn structure in: batch.turn_ends and batch.anchors (GiGPO)
 
 
 _ESTIMATORS: dict[str, EstimatorSpec] = {}
 
 
 def register(name: str, *, needs_critic: bool = False, kl_in_reward: bool = False, needs_groups: bool = False,
-             description: str = ""):
+             needs_turns: bool = False, description: str = ""):
     def deco(fn):
-        _ESTIMATORS[name] = EstimatorSpec(name, fn, needs_critic, kl_in_reward, needs_groups, description)
+        _ESTIMATORS[name] = EstimatorSpec(name, fn, needs_critic, kl_in_reward, needs_groups, description,
+                                          needs_turns)
         return fn
 
     return deco
@@ -183,15 +204,19 @@ def gae_reference(rewards: Sequence[Sequence[float]], masks: Sequence[Sequence[i
 
 
 def discounted_returns_reference(rewards: Sequence[Sequence[float]], masks: Sequence[Sequence[int]],
-                                 gamma: float, live: Sequence[bool] | None = None) -> list[list[float]]:
-    """G(p_k) = r(p_k) + gamma * G(p_{k+1}) over policy positions only (0 elsewhere)."""
+                                 gamma: float, live: Sequence[bool] | None = None,
+                                 turn_ends: Sequence[Sequence[int]] | None = None) -> list[list[float]]:
+    """G(p_k) = r(p_k) + gamma * G(p_{k+1}) over policy positions only (0 elsewhere). With ``turn_ends`` (per-turn
+    discounting) the factor is gamma only where p_k is a turn's last action token and 1 inside a turn: every token
+    of turn k then sees sum_j gamma^(j-k) r_j (plus the undiscounted rest of its own turn's rewards)."""
     out = []
     for b, (r, m) in enumerate(zip(rewards, masks)):
         row = [0.0] * len(m)
         if live is None or live[b]:
+            ends = None if turn_ends is None else set(turn_ends[b])
             g = 0.0
             for t in reversed(_policy_positions(m)):
-                g = r[t] + gamma * g
+                g = r[t] + (gamma if ends is None or t in ends else 1.0) * g
                 row[t] = g
         out.append(row)
     return out
@@ -210,10 +235,103 @@ def whiten_reference(x: Sequence[Sequence[float]], masks: Sequence[Sequence[int]
 
 
 def reinforce_pp_reference(rewards, masks, kl, kl_coef: float, gamma: float,
-                           live: Sequence[bool] | None = None) -> list[list[float]]:
-    """REINFORCE++: token returns of (reward - kl_coef * kl) over policy tokens, whitened over the batch."""
+                           live: Sequence[bool] | None = None, turn_ends=None) -> list[list[float]]:
+    """REINFORCE++: token returns of (reward - kl_coef * kl) over policy tokens, whitened over the batch
+    (``turn_ends``: gamma per turn, see ``discounted_returns_reference``)."""
     shaped = [[(r[t] - kl_coef * k[t]) * m[t] for t in range(len(m))] for r, m, k in zip(rewards, masks, kl)]
-    return whiten_reference(discounted_returns_reference(shaped, masks, gamma, live), masks, live)
+    return whiten_reference(discounted_returns_reference(shaped, masks, gamma, live, turn_ends), masks, live)
+
+
+# --- per-turn references (GiGPO, per-turn GRPO) -----------------------------------------------------------
+def turn_positions_reference(mask: Sequence[int], ends: Sequence[int]) -> list[list[int]]:
+    """The policy positions of each turn: those after turn k-1's end up to and including turn k's end."""
+    out, prev = [], -1
+    for e in ends:
+        out.append([t for t in range(prev + 1, e + 1) if mask[t]])
+        prev = e
+    return out
+
+
+def turn_rewards_reference(rewards: Sequence[float], mask: Sequence[int], ends: Sequence[int]) -> list[float]:
+    """Each turn's reward: the sum of the rewards on its policy tokens (its last action token's, from a trajectory)."""
+    return [float(sum(rewards[t] for t in span)) for span in turn_positions_reference(mask, ends)]
+
+
+def turn_returns_reference(turn_rewards: Sequence[float], gamma: float) -> list[float]:
+    """R_k = sum_j>=k gamma^(j-k) r_j over the turns of one episode."""
+    out, g = [0.0] * len(turn_rewards), 0.0
+    for k in reversed(range(len(turn_rewards))):
+        g = float(turn_rewards[k]) + gamma * g
+        out[k] = g
+    return out
+
+
+def _normalised(vals: Sequence[float], normalize_std: bool, eps: float = EPS) -> list[float]:
+    """(v - mean) / (std + eps) within one group (population std), or v - mean; a group of one gives 0."""
+    mean = sum(vals) / len(vals)
+    std = math.sqrt(sum((v - mean) ** 2 for v in vals) / len(vals))
+    return [(v - mean) / (std + eps) if normalize_std else v - mean for v in vals]
+
+
+def _keyed_reference(values: dict[tuple[int, int], float], key_of, normalize_std: bool) -> dict[tuple[int, int], float]:
+    """Normalise ``values`` ((sequence, turn) -> value) within the groups ``key_of((b, k))`` names."""
+    members: dict = defaultdict(list)
+    for bk in values:
+        members[key_of(bk)].append(bk)
+    out = {}
+    for idx in members.values():
+        out.update(zip(idx, _normalised([values[bk] for bk in idx], normalize_std)))
+    return out
+
+
+def gigpo_reference(turn_rewards: Sequence[Sequence[float]], anchors: Sequence[Sequence[str]], groups: Sequence[int],
+                    masked: Sequence[bool] | None = None, gamma: float = 1.0, normalize_std: bool = True,
+                    step_weight: float = 1.0) -> list[list[float]]:
+    """GiGPO per-turn advantages A[b][k] = A_episode[b] + step_weight * A_step[b][k] (Feng et al. 2025):
+
+    - A_episode: GRPO's group-normalised episode return (``grpo_scores`` of sum_k r_k);
+    - A_step: turn k's discounted return R_k = sum_j>=k gamma^(j-k) r_j, normalised among all turns of the same
+      task group (live samples) that acted on the same anchor state (``anchors[b][k]``, the observation), a
+      state visited twice by one episode counting twice; a step group of one gives 0.
+
+    Masked samples get 0 and enter no statistics."""
+    n = len(turn_rewards)
+    masked = list(masked) if masked is not None else [False] * n
+    episode = grpo_scores([sum(r) for r in turn_rewards], groups, masked, normalize_std)
+    returns = {(b, k): R for b in range(n) if not masked[b]
+               for k, R in enumerate(turn_returns_reference(turn_rewards[b], gamma))}
+    for b in range(n):
+        if not masked[b] and len(anchors[b]) != len(turn_rewards[b]):
+            raise ValueError(f"sequence {b}: {len(anchors[b])} anchors for {len(turn_rewards[b])} turns")
+    step = _keyed_reference(returns, lambda bk: (groups[bk[0]], anchors[bk[0]][bk[1]]), normalize_std)
+    return [[0.0] * len(turn_rewards[b]) if masked[b] else
+            [episode[b] + step_weight * step[(b, k)] for k in range(len(turn_rewards[b]))] for b in range(n)]
+
+
+def grpo_turn_reference(turn_rewards: Sequence[Sequence[float]], groups: Sequence[int],
+                        masked: Sequence[bool] | None = None, gamma: float = 1.0,
+                        normalize_std: bool = True) -> list[list[float]]:
+    """GRPO with per-turn discounting: turn k scored by its return R_k = sum_j>=k gamma^(j-k) r_j, normalised
+    among the turns k (same index) of the task group's live samples that reached turn k."""
+    n = len(turn_rewards)
+    masked = list(masked) if masked is not None else [False] * n
+    returns = {(b, k): R for b in range(n) if not masked[b]
+               for k, R in enumerate(turn_returns_reference(turn_rewards[b], gamma))}
+    adv = _keyed_reference(returns, lambda bk: (groups[bk[0]], bk[1]), normalize_std)
+    return [[adv.get((b, k), 0.0) for k in range(len(turn_rewards[b]))] for b in range(n)]
+
+
+def turn_broadcast_reference(turn_scores: Sequence[Sequence[float]], turn_ends: Sequence[Sequence[int]],
+                             masks: Sequence[Sequence[int]]) -> list[list[float]]:
+    """Per-token rows: each turn's score on that turn's policy tokens, 0 elsewhere."""
+    out = []
+    for scores, ends, m in zip(turn_scores, turn_ends, masks):
+        row = [0.0] * len(m)
+        for s, span in zip(scores, turn_positions_reference(m, ends)):
+            for t in span:
+                row[t] = float(s)
+        out.append(row)
+    return out
 
 
 # --- vectorised versions --------------------------------------------------------------------------------
@@ -254,22 +372,137 @@ def _reverse_scan(mask: torch.Tensor, step) -> None:
         step(t, mask[:, t] > 0)
 
 
+DISCOUNTS = ("token", "turn")
+
+
+def _per_turn(p: EstimatorParams, name: str, allowed: bool) -> bool:
+    """True for ``discount="turn"``; an error for an unknown discount or one ``name`` does not define."""
+    if p.discount not in DISCOUNTS:
+        raise ValueError(f"unknown discount {p.discount!r}: use one of {DISCOUNTS}")
+    if p.discount == "turn" and not allowed:
+        raise ValueError(f"discount='turn' is not defined for {name}: use discount='token'")
+    return p.discount == "turn"
+
+
+@dataclass
+class _Turns:
+    """Per-turn layout of a batch: ``of[b, t]`` the turn of position t (the number of turn ends before it; ``n[b]``
+    or more after the last end), ``n[b]`` the turns of sequence b (0 for masked ones), ``ends[b, k]`` turn k's last
+    action token (T past the last turn), ``K`` the most turns of any sequence."""
+    of: torch.Tensor  # [B, T] long
+    n: torch.Tensor  # [B] long
+    ends: torch.Tensor  # [B, max(K, 1)] long
+    K: int
+
+    def valid(self) -> torch.Tensor:  # [B, K] bool: turn k exists in sequence b
+        return torch.arange(self.K)[None, :] < self.n[:, None]
+
+    def broadcast(self, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """[B, K] per-turn scores -> [B, T]: each turn's score on its policy tokens (``mask``), 0 elsewhere."""
+        if self.K == 0:
+            return torch.zeros(mask.shape, dtype=scores.dtype)
+        on = (self.of < self.n[:, None]) & (mask > 0)
+        return torch.where(on, scores.gather(1, self.of.clamp(max=self.K - 1)), torch.zeros((), dtype=scores.dtype))
+
+    def returns(self, r: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+        """[B, K] discounted turn returns R_k = r_k + gamma * R_{k+1} of the token rewards ``r`` [B, T] summed per
+        turn over its policy tokens."""
+        B = r.shape[0]
+        rt = torch.zeros(B, self.K + 1, dtype=r.dtype).scatter_add_(1, self.of.clamp(max=self.K), r * mask)
+        R = torch.zeros(B, self.K + 1, dtype=r.dtype)
+        for k in range(self.K - 1, -1, -1):  # slots past a sequence's last turn hold 0 reward: R stays exact
+            R[:, k] = rt[:, k] + gamma * R[:, k + 1]
+        return R[:, : self.K]
+
+
+def _turn_layout(batch: AdvantageBatch) -> _Turns:
+    """Checks ``batch.turn_ends`` against the mask (increasing, on policy tokens, every policy token in a turn) for
+    the live sequences and lays the turns out as tensors."""
+    B, T = batch.mask.shape
+    if batch.turn_ends is None:
+        raise ValueError("this estimator works per turn and needs batch.turn_ends (each sequence's "
+                         "Trajectory.action_ends; trajectory_advantages fills them)")
+    if len(batch.turn_ends) != B:
+        raise ValueError(f"{len(batch.turn_ends)} rows of turn ends for {B} sequences")
+    live = batch.live.tolist()
+    rows = []
+    for b, ends in enumerate(batch.turn_ends):
+        ends = [int(e) for e in ends] if live[b] else []
+        if any(not 0 <= e < T for e in ends) or any(x >= y for x, y in zip(ends, ends[1:])):
+            raise ValueError(f"sequence {b}: turn ends {ends} must increase and lie in [0, {T})")
+        rows.append(ends)
+    n = torch.tensor([len(e) for e in rows], dtype=torch.long).reshape(B)
+    K = int(n.max()) if B else 0
+    ends = torch.full((B, max(K, 1)), T, dtype=torch.long)
+    for b, e in enumerate(rows):
+        if e:
+            ends[b, : len(e)] = torch.tensor(e, dtype=torch.long)
+    of = torch.searchsorted(ends, torch.arange(T).expand(B, T).contiguous())
+    t = _Turns(of, n, ends, K)
+    if T and K:
+        off = t.valid() & (batch.mask.gather(1, ends.clamp(max=T - 1))[:, :K] == 0)
+        if bool(off.any()):
+            b, k = (int(x) for x in off.nonzero()[0])
+            raise ValueError(f"sequence {b}: turn {k} ends on token {rows[b][k]}, which is not a policy token")
+    stray = (batch.mask > 0) & batch.live[:, None] & (of >= n[:, None])
+    if bool(stray.any()):
+        b, p = (int(x) for x in stray.nonzero()[0])
+        raise ValueError(f"sequence {b}: policy token {p} lies after the last turn end: every action turn needs its "
+                         "end in turn_ends")
+    return t
+
+
+def _normalise_by_key(x: torch.Tensor, keys: torch.Tensor, normalize_std: bool) -> torch.Tensor:
+    """[N] values normalised within the groups ``keys`` [N] names: (x - mean) / (std + eps) (population std), or
+    x - mean; a group of one gives 0."""
+    s, n, ss = _group_stats(x, keys, torch.ones(x.shape, dtype=torch.bool))
+    n_ = n.clamp(min=1)
+    mean = s / n_
+    out = x - mean
+    if normalize_std:
+        out = out / ((ss / n_ - mean * mean).clamp(min=0).sqrt() + EPS)
+    return out
+
+
 @register("grpo", needs_groups=True, description="group-normalised outcome reward broadcast over policy tokens")
 def grpo(batch: AdvantageBatch, p: EstimatorParams) -> AdvantageResult:
+    if _per_turn(p, "grpo", allowed=True):
+        return _grpo_per_turn(batch, p)
+    return AdvantageResult(_grpo_scores(batch, p.normalize_std).float()[:, None] * batch.mask)
+
+
+def _grpo_scores(batch: AdvantageBatch, normalize_std: bool) -> torch.Tensor:
+    """[B] group-normalised episode returns (``grpo_scores``), 0 for masked sequences."""
     r = sequence_rewards(batch).double()
     s, n, ss = _group_stats(r, batch.groups, batch.live)
     n_ = n.clamp(min=1)
     mean = s / n_
     std = (ss / n_ - mean * mean).clamp(min=0).sqrt()
     score = r - mean
-    if p.normalize_std:
+    if normalize_std:
         score = score / (std + EPS)
-    score = torch.where(batch.live & (n > 0), score, torch.zeros_like(score))
-    return AdvantageResult(score.float()[:, None] * batch.mask)
+    return torch.where(batch.live & (n > 0), score, torch.zeros_like(score))
+
+
+def _grpo_per_turn(batch: AdvantageBatch, p: EstimatorParams) -> AdvantageResult:
+    """Turn k of sequence b scored by R_k (discounted per turn), normalised among the turns k of b's task group
+    (``grpo_turn_reference``)."""
+    _check_rewards_on_policy(batch)
+    turns = _turn_layout(batch)
+    mask = batch.mask.double() * batch.live[:, None].double()
+    R = turns.returns(batch.rewards.double(), mask, p.gamma)  # [B, K]
+    valid = turns.valid()
+    adv = torch.zeros_like(R)
+    if bool(valid.any()):
+        _, g = torch.unique(batch.groups, return_inverse=True)
+        keys = g[:, None] * turns.K + torch.arange(turns.K)[None, :]  # (task group, turn index)
+        adv[valid] = _normalise_by_key(R[valid], keys[valid], p.normalize_std)
+    return AdvantageResult(turns.broadcast(adv, mask).float())
 
 
 @register("rloo", needs_groups=True, description="leave-one-out baseline over the n samples of a task")
 def rloo(batch: AdvantageBatch, p: EstimatorParams) -> AdvantageResult:
+    _per_turn(p, "rloo", allowed=False)
     r = sequence_rewards(batch).double()
     s, n, _ = _group_stats(r, batch.groups, batch.live)
     score = r - (s - r) / (n - 1).clamp(min=1)
@@ -280,6 +513,7 @@ def rloo(batch: AdvantageBatch, p: EstimatorParams) -> AdvantageResult:
 @register("reinforce++", kl_in_reward=True,
           description="token returns with the KL penalty in the reward, whitened over the global batch")
 def reinforce_pp(batch: AdvantageBatch, p: EstimatorParams) -> AdvantageResult:
+    per_turn = _per_turn(p, "reinforce++", allowed=True)
     _check_rewards_on_policy(batch)
     mask = batch.mask * batch.live[:, None].to(batch.mask.dtype)
     r = batch.rewards.double()
@@ -288,10 +522,16 @@ def reinforce_pp(batch: AdvantageBatch, p: EstimatorParams) -> AdvantageResult:
     r = r * mask
     ret = torch.zeros_like(r)
     g = torch.zeros(r.shape[0], dtype=r.dtype)
+    disc = None
+    if per_turn:  # gamma on a turn's last action token (stepping back into the turn before), 1 inside a turn
+        ends = _turn_layout(batch).ends
+        at_end = torch.zeros(r.shape[0], r.shape[1] + 1, dtype=torch.bool).scatter_(1, ends, True)[:, : r.shape[1]]
+        disc = torch.ones_like(r)
+        disc[at_end] = p.gamma
 
     def step(t, on):
         nonlocal g
-        g = torch.where(on, r[:, t] + p.gamma * g, g)
+        g = torch.where(on, r[:, t] + (p.gamma if disc is None else disc[:, t]) * g, g)
         ret[:, t] = torch.where(on, g, torch.zeros_like(g))
 
     _reverse_scan(mask, step)
@@ -300,6 +540,7 @@ def reinforce_pp(batch: AdvantageBatch, p: EstimatorParams) -> AdvantageResult:
 
 @register("ppo", needs_critic=True, description="GAE(gamma, lambda) over policy tokens with a learned critic")
 def ppo(batch: AdvantageBatch, p: EstimatorParams) -> AdvantageResult:
+    _per_turn(p, "ppo", allowed=False)
     if batch.values is None:
         raise ValueError("the ppo estimator needs critic values (batch.values)")
     _check_rewards_on_policy(batch)
@@ -324,6 +565,46 @@ def ppo(batch: AdvantageBatch, p: EstimatorParams) -> AdvantageResult:
     return AdvantageResult(out.float(), returns.float())
 
 
+@register("gigpo", needs_groups=True, needs_turns=True,
+          description="GiGPO: group-normalised episode return plus the turn's discounted return normalised among "
+                      "the group's turns from the same anchor state (observation)")
+def gigpo(batch: AdvantageBatch, p: EstimatorParams) -> AdvantageResult:
+    """A[b, k] = A_episode[b] + step_weight * A_step[b, k] on turn k's policy tokens (``gigpo_reference``);
+    gamma is per turn whatever ``p.discount`` says."""
+    _per_turn(p, "gigpo", allowed=True)  # (an unknown discount is still an error)
+    _check_rewards_on_policy(batch)
+    turns = _turn_layout(batch)
+    if batch.anchors is None or len(batch.anchors) != len(batch.turn_ends):
+        raise ValueError("gigpo needs batch.anchors, one row of anchor-state keys per sequence "
+                         "(trajectory_advantages fills them with core.trajectory.turn_observations)")
+    B = batch.mask.shape[0]
+    mask = batch.mask.double() * batch.live[:, None].double()
+    episode = _grpo_scores(batch, p.normalize_std)  # [B] episode level: GRPO's score of the episode return
+    # step level: turn returns normalised within (task group, anchor state)
+    R = turns.returns(batch.rewards.double(), mask, p.gamma)  # [B, K]
+    keys: dict[tuple[int, str], int] = {}
+    bs, ks, ids = [], [], []
+    groups = batch.groups.tolist()
+    for b in range(B):
+        nb = int(turns.n[b])
+        if nb and len(batch.anchors[b]) != nb:
+            raise ValueError(f"sequence {b}: {len(batch.anchors[b])} anchors for {nb} turns")
+        for k in range(nb):
+            bs.append(b)
+            ks.append(k)
+            ids.append(keys.setdefault((groups[b], str(batch.anchors[b][k])), len(keys)))
+    step = torch.zeros_like(R)
+    stats = {}
+    if ids:
+        key_t = torch.tensor(ids, dtype=torch.long)
+        step[bs, ks] = _normalise_by_key(R[bs, ks], key_t, p.normalize_std)
+        size = torch.bincount(key_t).double()
+        stats = {"step_group_size_mean": float(size.mean()),
+                 "turns_in_shared_step_groups": float((size[key_t] >= 2).double().mean())}
+    adv = turns.broadcast(episode[:, None] + p.step_weight * step, mask)
+    return AdvantageResult(adv.float(), stats=stats)
+
+
 # --- building a batch from trajectories -----------------------------------------------------------------
 def pad_rows(rows: Sequence[Sequence[float]], width: int | None = None, dtype=torch.float32) -> torch.Tensor:
     width = width if width is not None else max((len(r) for r in rows), default=0)
@@ -338,7 +619,9 @@ def make_batch(token_rewards: Sequence[Sequence[float]], loss_masks: Sequence[Se
                groups: Sequence[int], masked: Sequence[bool] | None = None,
                values: Sequence[Sequence[float]] | None = None,
                kl: Sequence[Sequence[float]] | None = None,
-               bootstrap: Sequence[float] | None = None) -> AdvantageBatch:
+               bootstrap: Sequence[float] | None = None,
+               turn_ends: Sequence[Sequence[int]] | None = None,
+               anchors: Sequence[Sequence[str]] | None = None) -> AdvantageBatch:
     masked = list(masked) if masked is not None else [False] * len(loss_masks)
     width = max((len(m) for m in loss_masks), default=0)
     return AdvantageBatch(
@@ -346,7 +629,9 @@ def make_batch(token_rewards: Sequence[Sequence[float]], loss_masks: Sequence[Se
         groups=torch.tensor(list(groups), dtype=torch.long), live=~torch.tensor(masked, dtype=torch.bool),
         values=pad_rows(values, width) if values is not None else None,
         kl=pad_rows(kl, width) if kl is not None else None,
-        bootstrap=torch.tensor([float(x) for x in bootstrap], dtype=torch.float32) if bootstrap is not None else None)
+        bootstrap=torch.tensor([float(x) for x in bootstrap], dtype=torch.float32) if bootstrap is not None else None,
+        turn_ends=[[int(e) for e in row] for row in turn_ends] if turn_ends is not None else None,
+        anchors=[[str(a) for a in row] for row in anchors] if anchors is not None else None)
 
 
 def unpad(x: torch.Tensor, lengths: Sequence[int]) -> list[list[float]]:
@@ -370,16 +655,23 @@ def trajectory_advantages(name: str, params: EstimatorParams, trajs, values=None
     """Run estimator ``name`` over ``core.trajectory.Trajectory`` objects. ``values`` / ``kl`` are per-token
     lists aligned with ``trajs`` (the learner's ``per_token``); ``final_values`` (PPO) the critic's value of the
     state after each trajectory's last token (the learner's ``final_values``), bootstrapped from where a turn
-    limit or token budget truncated the episode. Returns (advantages, returns or None, stats)."""
-    from core.trajectory import token_rewards
+    limit or token budget truncated the episode. Per-turn estimators (GiGPO) and per-turn discounting get each
+    trajectory's turn ends (``action_ends``) and, for GiGPO, the observation each turn acted on as its anchor
+    state (``turn_observations``; masked trajectories, which enter no statistics, get empty keys).
+    Returns (advantages, returns or None, stats)."""
+    from core.trajectory import token_rewards, turn_observations
 
     spec = get_estimator(name)
     if spec.needs_critic and values is None:
         raise ValueError(f"estimator {name!r} needs critic values")
+    per_turn = spec.needs_turns or params.discount == "turn"
     batch = make_batch([token_rewards(t) for t in trajs], [t.loss_mask for t in trajs], [t.group_id for t in trajs],
                        [t.masked for t in trajs], values if spec.needs_critic else None,
                        kl if spec.kl_in_reward else None,
-                       bootstrap_values(trajs, final_values) if spec.needs_critic else None)
+                       bootstrap_values(trajs, final_values) if spec.needs_critic else None,
+                       turn_ends=[t.action_ends for t in trajs] if per_turn else None,
+                       anchors=[[""] * t.turns if t.masked else turn_observations(t) for t in trajs]
+                       if spec.needs_turns else None)
     res = spec.fn(batch, params)
     lengths = [len(t.token_ids) for t in trajs]
     adv = unpad(res.advantages, lengths)
@@ -390,4 +682,5 @@ def trajectory_advantages(name: str, params: EstimatorParams, trajs, values=None
         stats["adv_abs_mean"] = float(res.advantages[pol].abs().mean())
         if batch.values is not None:
             stats["value_mean"] = float(batch.values[pol].mean())
+    stats.update(res.stats)
     return adv, (unpad(res.returns, lengths) if res.returns is not None else None), stats

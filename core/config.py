@@ -194,8 +194,9 @@ class CriticConfig(_Strict):
 
 
 class AlgoConfig(_Strict):
-    estimator: Literal["grpo", "ppo", "reinforce++", "rloo"] = Field(
-        "grpo", description="Advantage estimator: grpo, ppo (GAE + critic), reinforce++ or rloo.")
+    estimator: Literal["grpo", "ppo", "reinforce++", "rloo", "gigpo"] = Field(
+        "grpo", description="Advantage estimator: grpo, ppo (GAE + critic), reinforce++, rloo or gigpo (GRPO's episode "
+                            "advantage plus a step advantage among the group's turns from the same observation).")
     lr: float = Field(1e-6, ge=0, description="AdamW learning rate of the policy.")
     weight_decay: float = Field(0.0, ge=0)
     kl_coef: float = Field(0.001, ge=0, description="KL to the frozen reference (0 = no reference): a k3 loss "
@@ -203,7 +204,15 @@ class AlgoConfig(_Strict):
     clip: float = Field(0.2, gt=0, lt=1, description="PPO ratio clip.")
     grad_clip: float = Field(1.0, gt=0)
     normalize_std: bool = Field(True, description="GRPO: divide by the group's reward std.")
-    gamma: float = Field(1.0, ge=0, le=1, description="Discount over policy tokens (ppo, reinforce++).")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount over policy tokens (ppo, reinforce++), or over turns "
+                                                      "(gigpo; reinforce++ and grpo with algo.discount=turn).")
+    discount: Literal["token", "turn"] = Field(
+        "token", description="What algo.gamma discounts: each policy token (token), or each turn (turn: every token of "
+                             "turn k sees sum_j gamma^(j-k) r_j; for reinforce++, and for grpo, which then scores turn "
+                             "k by that return normalised among the group's turns k). gigpo always discounts per turn.")
+    gigpo_step_weight: float = Field(1.0, ge=0, allow_inf_nan=False,
+                                     description="gigpo: weight omega of the step (anchor-state) advantage: "
+                                                 "A = A_episode + omega * A_step.")
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda (ppo).")
     whiten_advantages: bool = Field(True, description="PPO: normalise advantages over the batch's policy tokens.")
     loss_agg: Literal["token-mean", "seq-mean"] = Field(
@@ -230,9 +239,16 @@ class AlgoConfig(_Strict):
             if self.lam != 1.0:
                 raise ValueError(f"algo.lam is a GAE parameter and does nothing for {self.estimator!r}: set "
                                  "algo.estimator=ppo or leave algo.lam at 1.0")
-        if self.estimator in ("grpo", "rloo") and self.gamma != 1.0:
+        if self.discount == "turn" and self.estimator in ("ppo", "rloo"):
+            raise ValueError(f"algo.discount=turn is not defined for {self.estimator!r}: use reinforce++, grpo or "
+                             "gigpo, or leave algo.discount at token")
+        if (self.estimator == "rloo" or (self.estimator == "grpo" and self.discount == "token")) and self.gamma != 1.0:
             raise ValueError(f"algo.gamma does nothing for {self.estimator!r} (a sequence-level outcome "
-                             "estimator): use ppo or reinforce++, or leave algo.gamma at 1.0")
+                             "estimator): use ppo, reinforce++ or gigpo (or grpo with algo.discount=turn), or leave "
+                             "algo.gamma at 1.0")
+        if self.estimator != "gigpo" and self.gigpo_step_weight != 1.0:
+            raise ValueError(f"algo.gigpo_step_weight does nothing for {self.estimator!r}: set algo.estimator=gigpo "
+                             "or leave it at 1.0")
         return self
 
 

@@ -173,6 +173,21 @@ def is_truncated(traj: Trajectory) -> bool:
     return traj.finish_reason in TRUNCATION_REASONS
 
 
+def turn_observations(traj: Trajectory) -> list[str]:
+    """The observation each turn acted on (GiGPO's anchor state): turn 0 the reset's observation
+    (``info["first_observation"]``), turn k > 0 the env's reply to turn k - 1 (``info["observations"][k - 1]``),
+    as the rollout records them."""
+    if traj.turns == 0:
+        return []
+    first, obs = traj.info.get("first_observation"), traj.info.get("observations") or []
+    if first is None or len(obs) < traj.turns - 1:
+        raise ValueError(f"trajectory of task {traj.task_id} has {traj.turns} turns but "
+                         f"{'no' if first is None else 'a'} first observation and {len(obs)} observations in its info: "
+                         "the observation each turn acted on is needed (tasks.rollout records info['first_observation'] "
+                         "and info['observations'])")
+    return [str(first)] + [str(o) for o in obs[: traj.turns - 1]]
+
+
 def token_rewards(traj: Trajectory) -> list[float]:
     """Per-token reward: each turn's reward on that turn's last action token (never on an env token)."""
     out = [0.0] * len(traj.token_ids)

@@ -104,12 +104,12 @@ def format_warm_start(model, tok, steps: int = 60) -> None:
 STEPS, TASKS, SAMPLES = 30, 8, 4
 # RLOO at 3e-3 climbed to 0.75 and then fell back to 0.38 in its last two steps once the learner's forward
 # changed by ~1e-6 (shared prompt pass), so its test run is sensitive to noise there; at 4e-3 it ends at 0.8-1.0
-LR = {"grpo": 3e-3, "rloo": 4e-3, "reinforce++": 3e-3, "ppo": 3e-3}
+LR = {"grpo": 3e-3, "rloo": 4e-3, "reinforce++": 3e-3, "ppo": 3e-3, "gigpo": 3e-3}
 
 
 def train(model_dir: str, estimator: str, lr: float, seed: int = 0, updates: list | None = None) -> list[float]:
     """Train for STEPS steps; returns the per-step success rate of the sampled rollouts (and appends each
-    update's metrics to ``updates``)."""
+    update's metrics, with the estimator's stats, to ``updates``)."""
     spec = get_estimator(estimator)
     torch.manual_seed(seed)
     lc = LearnerConfig(lr=lr, kl_coef=0.001, clip=0.2, micro_batch_size=32, bf16_autocast=False,
@@ -128,13 +128,13 @@ def train(model_dir: str, estimator: str, lr: float, seed: int = 0, updates: lis
                                            SamplingParams(1, 1.0), turn_limit=2, token_budget=512))
         rates.append(sum(t.success for t in trajs) / len(trajs))
         prep = learner.prepare(trajs, old_for_reward=spec.kl_in_reward)
-        adv, ret, _ = trajectory_advantages(
+        adv, ret, est = trajectory_advantages(
             estimator, params, trajs,
             values=learner.per_token(trajs, prep, "values") if spec.needs_critic else None,
             kl=learner.per_token(trajs, prep, "kl") if spec.kl_in_reward else None)
         m = learner.update(trajs, adv, prepared=prep, returns=ret)
         if updates is not None:
-            updates.append(m)
+            updates.append({**est, **m})
     return rates
 
 
@@ -143,13 +143,17 @@ def learned(rates: list[float]) -> bool:
     return last >= 0.6 and last - first >= 0.3
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce++", "ppo"])
+# gigpo's anchor states are the observations the rollout records (TwoRooms: "Room one." before turn 1 for every
+# sample, "Room two." before turn 2 for those that got there)
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce++", "ppo", "gigpo"])
 def test_estimator_learns_two_turn_task(tiny_model_dir, estimator):
     updates = []
     rates = train(tiny_model_dir, estimator, LR[estimator], updates=updates)
     assert learned(rates), f"{estimator} did not learn: success per step {rates}"
     # PPO runs 2 epochs x 2 mini-batches: four optimizer steps per training step, as configured
     assert all(u["optimizer_steps"] == (4 if estimator == "ppo" else 1) for u in updates)
+    if estimator == "gigpo":  # every sample's first turn acts on "Room one.": at least half the turns share a state
+        assert all(u["turns_in_shared_step_groups"] >= 0.5 for u in updates)
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce++", "ppo"])
