@@ -354,7 +354,7 @@ class RunConfig(_Strict):
                 f"algo.mini_batches ({self.algo.mini_batches}) exceeds the episodes per step ({episodes}); "
                 "lower algo.mini_batches or raise rollout.tasks_per_step / rollout.samples_per_task"
             )
-        if self.algo.estimator in ("grpo", "rloo") and self.rollout.samples_per_task < 2:
+        if self.algo.estimator in ("grpo", "rloo", "gigpo") and self.rollout.samples_per_task < 2:
             raise ValueError(
                 f"{self.algo.estimator} needs rollout.samples_per_task >= 2 (a group of one has zero advantage): "
                 "set it to 2 or more"

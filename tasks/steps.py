@@ -354,8 +354,7 @@ def compute_advantages(key: str, batch: Batch) -> Advantages:
     def per_token(which: str) -> list[list[float]]:
         return join_rows(s.learner.per_token(samples, prepared, which), where, lengths)
 
-    params = EstimatorParams(gamma=a.gamma, lam=a.lam, normalize_std=a.normalize_std, whiten=a.whiten_advantages,
-                             kl_coef=a.kl_coef)
+    params = EstimatorParams.from_algo(a)
     advantages, returns, stats = trajectory_advantages(
         a.estimator, params, trajs,
         values=per_token("values") if spec.needs_critic else None,

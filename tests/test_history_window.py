@@ -188,7 +188,7 @@ def _train_windowed(model_dir: str, estimator: str, lr: float, k: int, mismatch:
     return rates
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "ppo"])
+@pytest.mark.parametrize("estimator", ["grpo", "ppo", "gigpo"])
 def test_windowed_per_turn_samples_learn_the_two_turn_task(tiny_model_dir, estimator):
     # k = 0: turn 2 sees only "Room two." (the task is Markov, so the window loses nothing it needs); every turn
     # is its own sample, and the learner's log-probs of the sampled ids are the sampler's (fp32: token-exact)
