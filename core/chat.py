@@ -9,6 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+# AgentGym's conversation start (env.prompt=agentgym): the instruction and the reply format as the user's first
+# turn, the assistant's acknowledgement, then the first observation; the wording here is ours, the shape theirs
+AGENTGYM_FORMAT = ("Your response should use the following format:\n\nThought:\nyour thoughts about the current "
+                   "state\n\nAction:\nyour next action")
+AGENTGYM_ACK = "OK"
+PROMPT_STYLES = ("default", "agentgym")
+
 _PROBE_REPLY = "\x00REPLY\x00"
 _PROBE_OBS = "\x00OBS\x00"
 
@@ -19,9 +26,10 @@ class ChatFormat:
     close_reply: str = ""  # text between the assistant's content and the next user content, before the obs
     open_reply: str = ""  # text after the obs, up to where the assistant starts writing
     eos_text: str = ""
+    style: str = "default"  # how an episode's conversation starts (PROMPT_STYLES; ``prompt_ids``)
 
     @classmethod
-    def from_tokenizer(cls, tokenizer: Any) -> "ChatFormat":
+    def from_tokenizer(cls, tokenizer: Any, style: str = "default") -> "ChatFormat":
         base = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
                 {"role": "assistant", "content": _PROBE_REPLY}]
         full = tokenizer.apply_chat_template(base + [{"role": "user", "content": _PROBE_OBS}],
@@ -33,13 +41,23 @@ class ChatFormat:
         close_reply = full[i + len(_PROBE_REPLY):j]
         open_reply = full[j + len(_PROBE_OBS):]
         eos_text = tokenizer.eos_token or ""
-        return cls(tokenizer, close_reply, open_reply, eos_text)
+        if style not in PROMPT_STYLES:
+            raise ValueError(f"unknown prompt style {style!r}; expected one of {PROMPT_STYLES}")
+        return cls(tokenizer, close_reply, open_reply, eos_text, style)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def prompt_ids(self, system: str, user: str) -> list[int]:
-        msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        """An episode's opening: the instruction ``system`` and the first observation ``user``, up to where the
+        assistant starts writing. Style ``default``: a system message and a user turn; ``agentgym``: AgentGym's
+        conversation start (the instruction with the Thought/Action format as a user turn, an "OK" assistant
+        turn, then the observation as the next user turn)."""
+        if self.style == "agentgym":
+            msgs = [{"role": "user", "content": f"{system}\n\n{AGENTGYM_FORMAT}"},
+                    {"role": "assistant", "content": AGENTGYM_ACK}, {"role": "user", "content": user}]
+        else:
+            msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
         text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         return self.encode(text)
 

@@ -34,6 +34,11 @@ class EnvConfig(_Strict):
     dialect: Literal["scalinginter", "agentgym"] = Field(
         "scalinginter", description="Protocol of the server at env.url: 'scalinginter' (ours) or 'agentgym' (an "
                                     "unmodified AgentGym agentenv-* server; needs env.url).")
+    prompt: Literal["default", "agentgym"] = Field(
+        "default", description="How an episode's conversation starts: 'default' (a system message with the env's "
+                               "instruction, the first observation as the user's turn) or 'agentgym' (AgentGym's "
+                               "start, for parity runs: the instruction and the Thought/Action reply format as a "
+                               "user turn, an 'OK' assistant turn, then the first observation).")
     request_timeout_s: float = Field(60.0, gt=0, description="Timeout of one env HTTP call.")
     task_pool: int = Field(100_000, ge=1, description="Train tasks are drawn from data_idx in [0, task_pool).")
 

@@ -212,7 +212,7 @@ def warmstart(cfg: Any, demos: int, epochs: int, lr: float, out: str | Path, bat
     from transformers import AutoTokenizer
 
     model_dir = resolve_model(cfg.model.path)
-    chat = ChatFormat.from_tokenizer(AutoTokenizer.from_pretrained(model_dir))
+    chat = ChatFormat.from_tokenizer(AutoTokenizer.from_pretrained(model_dir), cfg.env.prompt)
     probe = make_env(cfg.env.name, **cfg.env.options)
     try:
         train_size = probe.num_tasks("train")

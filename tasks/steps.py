@@ -167,7 +167,7 @@ def open_session(cfg: RunConfig, model_dir: str, train: bool, reference_dir: str
             s.model = load_causal_lm(model_dir, resolve_device(cfg.model.device))
             s.model.eval()
     pad = s.tokenizer.pad_token_id if s.tokenizer.pad_token_id is not None else s.tokenizer.eos_token_id
-    s.chat = ChatFormat.from_tokenizer(s.tokenizer)
+    s.chat = ChatFormat.from_tokenizer(s.tokenizer, cfg.env.prompt)
     if cfg.rollout.backend == "vllm":  # the process's kept engine (this session's weights loaded) or a new one
         from tasks.backends.vllm_backend import backend_for
 

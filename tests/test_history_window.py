@@ -201,3 +201,23 @@ def test_windowed_per_turn_samples_learn_the_two_turn_task(tiny_model_dir, estim
 def test_windowed_run_with_zero_lr_does_not_learn(tiny_model_dir):
     rates = _train_windowed(tiny_model_dir, "grpo", 0.0, k=0)
     assert not learned(rates), rates
+
+
+def test_agentgym_prompt_style_opens_with_the_instruction_an_ok_turn_then_the_observation(tokenizer):
+    from core.chat import AGENTGYM_ACK, AGENTGYM_FORMAT
+
+    chat = ChatFormat.from_tokenizer(tokenizer, "agentgym")
+    text = tokenizer.decode(chat.prompt_ids("Play the grid game.", "You see a red ball."))
+    i, j, k = (text.find("Play the grid game."), text.find(AGENTGYM_ACK + "<|im_end|>"),
+               text.find("You see a red ball."))
+    assert 0 <= i < j < k, text
+    assert "Thought:" in text and "Action:" in text and AGENTGYM_FORMAT.split("\n")[0] in text
+    assert text.count("<|im_start|>user") == 2 and text.count("<|im_start|>assistant") == 2  # OK turn + the open one
+    default = tokenizer.decode(ChatFormat.from_tokenizer(tokenizer).prompt_ids("Play the grid game.", "obs"))
+    assert "<|im_start|>system\nPlay the grid game." in default and AGENTGYM_ACK + "<|im_end|>" not in default
+    # the window keeps the style: t <= k is the full-history sequence in that style
+    acts = [chat.encode("Action: go") + [tokenizer.eos_token_id]]
+    assert chat.window_prompt_ids("I", ["o0", "o1"], acts, [True], k=2) == \
+        chat.prompt_ids("I", "o0") + acts[0] + chat.env_turn_ids("o1", True)
+    with pytest.raises(ValueError, match="prompt style"):
+        ChatFormat.from_tokenizer(tokenizer, "other")
