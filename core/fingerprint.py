@@ -91,16 +91,27 @@ class ResumeCheck:
     unchecked: bool = False  # the checkpoint has no fingerprint (written before they existed)
 
 
+def default_values() -> dict[str, Any]:
+    """The training values of a config left at its defaults (what a key a checkpoint predates meant then)."""
+    from core.config import RunConfig
+
+    return training_values(RunConfig().model_dump(mode="json"))
+
+
 def check_resume(stored: Mapping[str, Any] | None, current: Mapping[str, Any],
-                 allow: Iterable[str] = ()) -> ResumeCheck:
+                 allow: Iterable[str] = (), defaults: Mapping[str, Any] | None = None) -> ResumeCheck:
     """Compare a checkpoint's fingerprint ``stored`` with the current config's ``current`` (both as made by
-    ``fingerprint``); differences under a key in ``allow`` are allowed, the others refused."""
+    ``fingerprint``); differences under a key in ``allow`` are allowed, the others refused. A setting added after
+    the checkpoint was written (absent from it) is no change while the current value is its default
+    (``defaults``, e.g. ``default_values()``): the checkpoint was trained with what that default does."""
     if not stored or "values" not in stored:
         return ResumeCheck(unchecked=True)
     if stored.get("sha256") == current.get("sha256"):
         return ResumeCheck()
     allow = list(allow)
     changes = diff(stored["values"], current["values"])
+    if defaults is not None:
+        changes = [c for c in changes if not (c.old is ABSENT and c.key in defaults and c.new == defaults[c.key])]
     return ResumeCheck(refused=[c for c in changes if not is_allowed(c.key, allow)],
                        allowed=[c for c in changes if is_allowed(c.key, allow)])
 

@@ -28,7 +28,7 @@ from prefect import flow
 from core.config import RunConfig
 from core.redact import redact, redact_uri
 from core.curriculum import Gate, GateState, Phase, gate_update, phase_start, total_steps, turn_limit_at
-from core.fingerprint import ResumeMismatch, check_resume, fingerprint
+from core.fingerprint import ResumeMismatch, check_resume, default_values, fingerprint
 from core.records import kept_metric_lines
 from flows.config import build_config
 from core.walltime import format_breakdown
@@ -139,7 +139,8 @@ def checkpoint_state(cfg: RunConfig, uri: str) -> dict[str, Any]:
 def check_config(cfg: RunConfig, state: dict[str, Any], checkpoint: str) -> None:
     """Refuse to continue ``checkpoint`` (its trainer state ``state``) under a training config that differs
     from the one it was made with, unless every changed key is in ``resume.allow_changes``."""
-    chk = check_resume(state.get("fingerprint"), fingerprint(recorded_config(cfg)), cfg.resume.allow_changes)
+    chk = check_resume(state.get("fingerprint"), fingerprint(recorded_config(cfg)), cfg.resume.allow_changes,
+                       defaults=default_values())
     if chk.unchecked:
         print(f"warning: checkpoint {checkpoint} has no config fingerprint (written by an older version); "
               "resuming without checking that the training config is the same")

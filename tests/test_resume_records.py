@@ -73,6 +73,24 @@ def test_check_resume_refuses_what_is_not_allowed():
     assert is_allowed("env.options.size", ["env.options"]) and not is_allowed("env.optionsx", ["env.options"])
 
 
+def test_a_setting_newer_than_the_checkpoint_is_no_change_at_its_default():
+    from core.config import RunConfig
+    from core.fingerprint import default_values
+
+    now = RunConfig().model_dump(mode="json")
+    current = fingerprint(now)
+    older = dict(current["values"])
+    for key in ("rollout.history_turns", "env.prompt", "algo.discount"):  # settings added after that checkpoint
+        older.pop(key)
+    stored = {"version": 1, "sha256": "older", "values": older}
+    assert [c.key for c in check_resume(stored, current).refused] == ["algo.discount", "env.prompt",
+                                                                      "rollout.history_turns"]
+    assert check_resume(stored, current, defaults=default_values()) == check_resume(current, current)
+    now["rollout"]["history_turns"] = 2  # a new setting away from its default is a change the checkpoint never had
+    chk = check_resume(stored, fingerprint(now), defaults=default_values())
+    assert [str(c) for c in chk.refused] == ["rollout.history_turns: (absent) -> 2"]
+
+
 def test_mismatch_message_names_keys_values_and_both_ways_out():
     msg = str(ResumeMismatch("r", "/ck/phase-1/step-000002", [Change("algo.lr", 1e-6, 0.001),
                                                               Change("seed", 0, 1)]))
