@@ -21,6 +21,14 @@ from core.stats import bootstrap_ci, mcnemar_exact, paired_bootstrap, pass_at_k,
 
 SCHEMA = "scalinginter.eval/1"
 UNCATEGORIZED = "-"
+BUCKETS = ("1", "2-3", "4-6", "7+")  # required-turns buckets (the fewest turns an expert needs)
+
+
+def required_turns_bucket(n: int) -> str:
+    """The bucket of a task that needs ``n`` turns: 1, 2-3, 4-6 or 7+."""
+    if n < 1:
+        raise ValueError(f"required turns must be >= 1, got {n}")
+    return "1" if n == 1 else "2-3" if n <= 3 else "4-6" if n <= 6 else "7+"
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,7 @@ class Outcome:
     reward: float = 0.0
     turns: int = 0
     category: str | None = None
+    required_turns: int | None = None  # the fewest turns an expert needs (None: the env does not label it)
 
 
 def _rate(value: float, ci: tuple[float, float], method: str) -> dict[str, Any]:
@@ -116,13 +125,28 @@ def model_report(outcomes: Iterable[Outcome], task_ids: list[int], turn_limits: 
                              "successes": [None if o.success is None else int(o.success) for o in row],  # type: ignore[union-attr]
                              "rewards": [float(o.reward) for o in row],  # type: ignore[union-attr]
                              "turns": [int(o.turns) for o in row]})  # type: ignore[union-attr]
+            need = next((o.required_turns for o in row if o.required_turns is not None), None)  # type: ignore[union-attr]
+            if need is not None:
+                per_task[-1]["required_turns"] = int(need)
         cats: dict[str, list[dict[str, Any]]] = {}
         for r in per_task:
             cats.setdefault(r["category"], []).append(r)
         budgets[str(b)] = {"turn_limit": b, "overall": _cell(per_task, samples, confidence, seed),
-                           "categories": {c: _cell(rs, samples, confidence, seed) for c, rs in sorted(cats.items())},
-                           "per_task": per_task}
+                           "categories": {c: _cell(rs, samples, confidence, seed) for c, rs in sorted(cats.items())}}
+        buckets = _by_bucket(per_task)
+        if buckets:  # envs that label no task leave the key out
+            budgets[str(b)]["required_turns"] = {k: _cell(rs, samples, confidence, seed) for k, rs in buckets.items()}
+        budgets[str(b)]["per_task"] = per_task
     return {"budgets": budgets}
+
+
+def _by_bucket(per_task: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The labelled tasks by required-turns bucket, in bucket order (unlabelled tasks are in no bucket)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for r in per_task:
+        if r.get("required_turns") is not None:
+            out.setdefault(required_turns_bucket(r["required_turns"]), []).append(r)
+    return {k: out[k] for k in BUCKETS if k in out}
 
 
 def check_sweep(samples: int, turn_limits: list[int]) -> None:
@@ -186,6 +210,11 @@ def compare_models(a: dict[str, Any], b: dict[str, Any], samples: int, confidenc
                     "categories": {c: paired_test([r for r in ba["per_task"] if r["category"] == c],
                                                   [r for r in bb["per_task"] if r["category"] == c],
                                                   samples == 1, confidence, seed) for c in cats}}
+        buckets = _by_bucket(ba["per_task"])
+        if buckets:  # the same tasks of model b, bucketed by a's labels (the same tasks, the same env)
+            out[key]["required_turns"] = {
+                k: paired_test(rs, [r for r in bb["per_task"] if r["task_id"] in {x["task_id"] for x in rs}],
+                               samples == 1, confidence, seed) for k, rs in buckets.items()}
     return out
 
 
@@ -233,6 +262,7 @@ def report_text(doc: dict[str, Any]) -> str:
                      + f"{'reward':>8}{'turns':>7}")
         for key, b in m["budgets"].items():
             rows = [("all", b["overall"])] + (list(b["categories"].items()) if len(b["categories"]) > 1 else [])
+            rows += [(f"needs {k} turn{'s' if k != '1' else ''}", c) for k, c in b.get("required_turns", {}).items()]
             for cat, c in rows:
                 rates = [c["avg"]] + [c["pass"][str(k)] for k in ks if k > 1]
                 lines.append(f"  {key:<8}{cat[:21]:<22}{c['tasks']:>6}  " + "  ".join(f"{_fmt_rate(r):<26}" for r in rates)
@@ -249,6 +279,11 @@ def report_text(doc: dict[str, Any]) -> str:
                      if "a_better" in o else "")
             lines.append(f"  budget {key}: {o['a']:.3f} vs {o['b']:.3f}, diff {o['diff']:+.3f} "
                          f"[{o['ci'][0]:+.3f}, {o['ci'][1]:+.3f}], p = {format_p(o['p_value'])} ({o['tasks']} tasks{extra})")
+            for k, q in b.get("required_turns", {}).items():
+                if q["diff"] is not None:
+                    lines.append(f"    needs {k} turn{'s' if k != '1' else ''}: {q['a']:.3f} vs {q['b']:.3f}, diff "
+                                 f"{q['diff']:+.3f} [{q['ci'][0]:+.3f}, {q['ci'][1]:+.3f}], p = {format_p(q['p_value'])} "
+                                 f"({q['tasks']} tasks)")
     return "\n".join(lines)
 
 

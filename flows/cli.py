@@ -101,6 +101,8 @@ def eval_(
                                                                   "README) here."),
     png: Optional[Path] = typer.Option(None, "--png", help="Plot success vs turn budget with intervals here."),
     png_categories: bool = typer.Option(False, "--png-categories", help="Also a line per category in the plot."),
+    png_buckets: bool = typer.Option(False, "--png-buckets", help="Also a line per required-turns bucket (1, 2-3, "
+                                                                  "4-6, 7+) in the plot, where the env labels tasks."),
     set_: list[str] = typer.Option([], "--set", "-s", help="Config override key.path=value (e.g. env options; "
                                                          "env.options overrides the checkpoint's)."),
     track: bool = typer.Option(True, "--mlflow/--no-mlflow", help="Log the results to MLflow."),
@@ -163,7 +165,7 @@ def eval_(
     if json_path:
         typer.echo(f"wrote {write_json(doc, json_path)}")
     if png:
-        typer.echo(f"wrote {plot_sweep(doc, png, categories=png_categories)}")
+        typer.echo(f"wrote {plot_sweep(doc, png, categories=png_categories, buckets=png_buckets)}")
     if track:
         rid = log_eval(doc, cfg, run_id=run_id, experiment=experiment, tracking_uri=tracking_uri)
         typer.echo(f"MLflow run {rid}")

@@ -32,11 +32,13 @@ The document (JSON, ``schema`` = "scalinginter.eval/1")::
         "compare": {...same, for --compare...}
       },
       "comparison": {"a": "model", "b": "compare",
-                     "budgets": {"<T>": {"turn_limit": T, "overall": PAIRED, "categories": {"<cat>": PAIRED}}}}
+                     "budgets": {"<T>": {"turn_limit": T, "overall": PAIRED, "categories": {"<cat>": PAIRED},
+                                         "required_turns": {"<bucket>": PAIRED}}}}
     }
     BUDGET = {"turn_limit": T, "overall": CELL, "categories": {"<category>": CELL, ...},
+              "required_turns": {"1" | "2-3" | "4-6" | "7+": CELL, ...}  (only where the env labels tasks),
               "per_task": [{"task_id", "category", "successes": [1, 0, null, ...] (K entries, null = masked),
-                            "rewards": [...], "turns": [...]}]}
+                            "rewards": [...], "turns": [...], "required_turns" (when labelled)}]}
     CELL   = {"tasks", "episodes", "masked_episodes", "mean_reward", "mean_turns",
               "avg": RATE (Avg@K; for K = 1 the greedy success rate),
               "pass": {"1": RATE, "2": RATE, ..., "<K>": RATE}  (each also with "tasks")}
@@ -46,7 +48,9 @@ The document (JSON, ``schema`` = "scalinginter.eval/1")::
               greedy only: "a_better", "b_better" (discordant tasks), "p_a_worse" (one-sided)}
 
 Categories are what each env reports at reset (``info["category"]``: BabyAI level, TextCraft depth, ...); the
-category cells' ``tasks`` sum to the overall ``tasks``.
+category cells' ``tasks`` sum to the overall ``tasks``. Required turns are what an env that can label its tasks
+reports at reset (``info["required_turns"]``: the fewest turns its expert needs; BabyAI); the buckets 1, 2-3, 4-6
+and 7+ hold the labelled tasks, and an env that labels none leaves the key out.
 """
 
 from __future__ import annotations
@@ -286,7 +290,7 @@ def _model_report(sweep: dict[str, Any], ids: list[int], turn_limits: list[int],
                   seed: int) -> dict[str, Any]:
     """One model's budgets report from its sweep's outcomes (``core.evalreport.model_report``)."""
     outs = [Outcome(o["task_id"], o["turn_limit"], o["sample"], o["success"], o["reward"], o["turns"],
-                    o["category"]) for o in sweep["outcomes"]]
+                    o["category"], o.get("required_turns")) for o in sweep["outcomes"]]
     return model_report(outs, ids, turn_limits, samples, confidence, seed)
 
 
@@ -338,9 +342,10 @@ def log_eval(doc: dict[str, Any], cfg: RunConfig, run_id: str | None = None, exp
     return run_id
 
 
-def plot_sweep(doc: dict[str, Any], path: str | Path, categories: bool = False) -> Path:
+def plot_sweep(doc: dict[str, Any], path: str | Path, categories: bool = False, buckets: bool = False) -> Path:
     """Success (Avg@K) vs turn budget with confidence-interval error bars: one line per model (and, with
-    ``categories``, a dashed line per model and category)."""
+    ``categories``, a dashed line per model and category; with ``buckets``, a dotted line per model and
+    required-turns bucket)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -355,6 +360,10 @@ def plot_sweep(doc: dict[str, Any], path: str | Path, categories: bool = False) 
         if categories:
             cats = sorted({c for b in m["budgets"].values() for c in b["categories"]})
             rows += [(f" {c}", (lambda c: lambda b: b["categories"].get(c))(c), "--.") for c in cats]
+        if buckets:
+            keys = [k for k in ("1", "2-3", "4-6", "7+") if any(k in b.get("required_turns", {})
+                                                                 for b in m["budgets"].values())]
+            rows += [(f" needs {k}", (lambda k: lambda b: b.get("required_turns", {}).get(k))(k), ":s") for k in keys]
         for suffix, get, style in rows:
             xs, ys, lo, hi = [], [], [], []
             for b in m["budgets"].values():
