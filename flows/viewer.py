@@ -811,7 +811,10 @@ def render_eval(store: Store, name: str) -> str:
                 rows.append([escape(str(key)), fmt(c.get("tasks")), fmt(c.get("episodes")),
                              fmt(c.get("masked_episodes")), _rate(c.get("avg")), passes,
                              fmt(c.get("mean_reward")), fmt(c.get("mean_turns"), ".2f")])
-                for cat, cc in sorted(bud.get("categories", {}).items()):
+                groups = [(cat, cc) for cat, cc in sorted(bud.get("categories", {}).items())]
+                groups += [(f"needs {k} turn{'s' if k != '1' else ''}", cc)  # the env's required-turns buckets
+                           for k, cc in bud.get("required_turns", {}).items()]
+                for cat, cc in groups:
                     rows.append([f'<span class="muted">{escape(str(key))} · {escape(cat)}</span>', fmt(cc.get("tasks")),
                                  fmt(cc.get("episodes")), fmt(cc.get("masked_episodes")), _rate(cc.get("avg")), "",
                                  fmt(cc.get("mean_reward")), fmt(cc.get("mean_turns"), ".2f")])

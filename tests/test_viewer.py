@@ -243,7 +243,8 @@ def test_eval_pages(client, runs):
 
     tmp, _ = runs
     ids = [1_000_000, 1_000_001]
-    outs = [Outcome(t, b, k, (t + k) % 2 == 0, 1.0 if (t + k) % 2 == 0 else 0.0, 2, "GoToObj")
+    outs = [Outcome(t, b, k, (t + k) % 2 == 0, 1.0 if (t + k) % 2 == 0 else 0.0, 2, "GoToObj",
+                    required_turns=1 if t == ids[0] else 5)
             for b in (2, 4) for t in ids for k in range(2)]
     meta = {"header": "babyai test split", "env": "babyai", "split": "test", "task_ids": ids, "n_tasks": 2,
             "temperature": 1.0, "greedy": False, "max_new_tokens": 8, "token_budget": 256, "backend": "x",
@@ -257,6 +258,7 @@ def test_eval_pages(client, runs):
     assert r.status_code == 200 and 'href="/evals/sweep"' in r.text and 'href="/evals/r1.eval_after"' in r.text
     r = client.get("/evals/sweep")
     assert r.status_code == 200 and "Avg@2" in r.text and "per task at turn budget 4" in r.text
+    assert "4 · needs 1 turn<" in r.text and "4 · needs 4-6 turns<" in r.text  # the required-turns buckets
     assert "✓ ✗" in r.text or "✗ ✓" in r.text
     assert "0.500" in client.get("/runs/r1").text  # held-out after, linked to its eval page
     r = client.get("/evals/none")
