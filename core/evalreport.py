@@ -233,6 +233,17 @@ def flat_metrics(report: dict[str, Any], model: str = "model", turn_limit: int |
     return {k: float(v) for k, v in out.items() if v is not None}  # undefined numbers are left out
 
 
+def bucket_rates(report: dict[str, Any] | None, model: str = "model") -> dict[str, dict[str, Any]]:
+    """Success per required-turns bucket of one model at its largest budget: ``{bucket: {"tasks", "value", "ci"}}``
+    (empty when the env labels no task or there is no report)."""
+    if not report:
+        return {}
+    budgets = report["models"][model]["budgets"]
+    b = budgets[max(budgets, key=int)]
+    return {k: {"tasks": c["tasks"], "value": c["avg"]["value"], "ci": c["avg"]["ci"]}
+            for k, c in b.get("required_turns", {}).items()}
+
+
 def _fmt_rate(r: dict[str, Any]) -> str:
     if r["value"] is None:
         return "-"

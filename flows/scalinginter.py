@@ -33,7 +33,7 @@ from core.records import kept_metric_lines
 from flows.config import build_config
 from core.walltime import format_breakdown
 from core.evalreport import SCHEMA as EVAL_SCHEMA
-from core.evalreport import compare_models, flat_metrics, format_p
+from core.evalreport import BUCKETS, bucket_rates, compare_models, flat_metrics, format_p
 from tasks import steps as T
 from tasks import timing
 from tasks.console import quiet_console, restore_console
@@ -610,6 +610,9 @@ def scalinginter(config: RunConfig | None = None, env: str = "babyai", preset: s
         tracker.set_tag(parent, "scalinginter.final_checkpoint", ref)
         summary = {"run_name": cfg.run_name, "mlflow_run_id": parent, "mlflow_uri": redact_uri(tracker.uri),
                    "final_checkpoint": ref, "eval_before": before, "eval_after": after, "eval_paired": paired}
+        by_turns = {"before": bucket_rates(before_doc), "after": bucket_rates(after_doc)}
+        if by_turns["before"] or by_turns["after"]:  # the env labels its tasks with the turns an expert needs
+            summary["eval_required_turns"] = by_turns
         wall = time.time() - t_run
         summary["wall_time_s"] = round(wall, 1)
         summary["wall_time_breakdown_s"] = ledger.breakdown(wall)  # where the time went (core.walltime)
@@ -644,6 +647,17 @@ def summary_table(summary: dict[str, Any], cfg: RunConfig) -> str:
 
     for label, key in rows:
         lines.append(f"{label:<14}{cell(b, key):>24}{cell(a, key):>24}")
+    by_turns = summary.get("eval_required_turns") or {}
+    for k in BUCKETS:  # success per required-turns bucket (the fewest turns the env's expert needs)
+        rb, ra = (by_turns.get(side, {}).get(k) for side in ("before", "after"))
+        if rb is None and ra is None:
+            continue
+
+        def rate(r: dict[str, Any] | None) -> str:
+            return "-" if r is None or r["value"] is None else f"{r['value']:.3f} [{r['ci'][0]:.3f}, {r['ci'][1]:.3f}]"
+
+        n = (ra or rb)["tasks"]
+        lines.append(f"{f'needs {k} ({n})':<14}{rate(rb):>24}{rate(ra):>24}")
     p = summary.get("eval_paired")
     if p and p.get("diff") is not None:
         lines.append(f"after - before: {p['diff']:+.3f} [{p['ci'][0]:+.3f}, {p['ci'][1]:+.3f}] on the same "

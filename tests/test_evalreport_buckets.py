@@ -60,3 +60,28 @@ def test_plot_draws_the_buckets(tmp_path):
     doc = build_document({"header": "h", "env": "babyai", "split": "test", "n_tasks": 7}, {"model": ("A", a)}, 1, [10])
     out = plot_sweep(doc, tmp_path / "p.png", buckets=True)
     assert out.exists() and out.stat().st_size > 1000
+
+
+def test_run_summary_shows_success_per_bucket_before_and_after():
+    from core.evalreport import bucket_rates
+    from flows.config import build_config
+    from flows.scalinginter import summary_table
+
+    before = build_document({"header": "h", "env": "babyai", "split": "test", "n_tasks": 7},
+                            {"model": ("base", model_report(_outs({0}), list(NEEDS), [10], 1))}, 1, [10])
+    after = build_document({"header": "h", "env": "babyai", "split": "test", "n_tasks": 7},
+                           {"model": ("ckpt", model_report(_outs(SOLVED), list(NEEDS), [10], 1))}, 1, [10])
+    assert bucket_rates(after)["1"]["value"] == 1.0 and bucket_rates(before)["1"]["value"] == 0.5
+    assert bucket_rates(None) == {} and bucket_rates(model_report_doc_unlabelled()) == {}
+    summary = {"eval_before": {"success_rate": 1 / 7}, "eval_after": {"success_rate": 4 / 7}, "eval_paired": None,
+               "eval_required_turns": {"before": bucket_rates(before), "after": bucket_rates(after)},
+               "mlflow_run_id": "x", "mlflow_uri": "sqlite://", "final_checkpoint": "c"}
+    text = summary_table(summary, build_config("babyai", "tiny", ["run_name=r"]))
+    assert "needs 1 (2)" in text and "needs 7+ (2)" in text
+    line = next(x for x in text.splitlines() if x.startswith("needs 4-6"))
+    assert "0.000 [" in line and "1.000 [" in line  # before 0/1, after 1/1
+
+
+def model_report_doc_unlabelled():
+    return build_document({"header": "h", "env": "x", "split": "test", "n_tasks": 7},
+                          {"model": ("m", model_report(_outs(SOLVED, labelled=False), list(NEEDS), [10], 1))}, 1, [10])
