@@ -31,3 +31,67 @@ def episode_metrics(trajs: list[Trajectory]) -> dict[str, float]:
     for r in FINISH_REASONS:
         out[f"finish_{r}"] = float(reasons.get(r, 0))
     return out
+
+
+DIAGNOSTICS = (  # (key, what the viewer's chart calls it): how a long-horizon run's collapse shows before success does
+    ("diag/invalid_action_rate", "invalid actions (share of turns)"),
+    ("diag/repeated_action_rate", "repeated action in the same state (share of turns)"),
+    ("diag/reply_tokens", "reply length (tokens per turn)"),
+    ("diag/turns_used_frac", "turns used / turn limit"),
+    ("diag/turn_limit_frac", "episodes ending at the turn limit"),
+    ("diag/zero_adv_group_frac", "groups with all-zero advantage"),
+)
+
+
+def _turn_lengths(t: Trajectory) -> list[int]:
+    """Policy tokens of each turn (turn k: the policy tokens after turn k-1's last action token up to turn k's)."""
+    out, prev = [], -1
+    for end in t.action_ends:
+        out.append(sum(t.loss_mask[prev + 1:end + 1]))
+        prev = end
+    return out
+
+
+def step_diagnostics(trajs: list[Trajectory], advantages: list[list[float]] | None,
+                     turn_limit: int | None) -> dict[str, float]:
+    """A training step's stability diagnostics over its live episodes (see ``DIAGNOSTICS``):
+
+    - invalid-action rate: turns the env flagged invalid (``info["invalid_actions"]``) / turns;
+    - repeated-action rate: turns whose parsed action equals the turn before's and that acted on the same
+      observation as the turn before (a stuck loop) / turns that have a turn before;
+    - reply tokens: mean policy tokens per turn;
+    - turns used / turn limit (mean over episodes) and the share of episodes that ended at the turn limit;
+    - the share of groups (``group_id``) whose advantages are 0 on every policy token: no learning signal.
+    Entropy comes from the update (``train/entropy``)."""
+    live = [i for i, t in enumerate(trajs) if not t.masked]
+    out: dict[str, float] = {}
+    if not live:
+        return out
+    turns = invalid = repeats = with_prev = 0
+    lengths: list[int] = []
+    for i in live:
+        t = trajs[i]
+        flags = t.info.get("invalid_actions") or []
+        invalid += sum(bool(x) for x in flags)
+        turns += t.turns
+        lengths += _turn_lengths(t)
+        acts = t.info.get("actions") or []
+        obs = [t.info.get("first_observation")] + list(t.info.get("observations") or [])
+        for k in range(1, min(len(acts), t.turns)):
+            with_prev += 1
+            if acts[k] is not None and acts[k] == acts[k - 1] and k < len(obs) and obs[k] == obs[k - 1]:
+                repeats += 1
+    out["diag/invalid_action_rate"] = invalid / turns if turns else 0.0
+    out["diag/repeated_action_rate"] = repeats / with_prev if with_prev else 0.0
+    out["diag/reply_tokens"] = sum(lengths) / len(lengths) if lengths else 0.0
+    if turn_limit:
+        out["diag/turns_used_frac"] = sum(trajs[i].turns for i in live) / len(live) / turn_limit
+    out["diag/turn_limit_frac"] = sum(trajs[i].finish_reason == "turn_limit" for i in live) / len(live)
+    if advantages is not None:
+        groups: dict[int, bool] = {}
+        for i in live:
+            t = trajs[i]
+            signal = any(a != 0 for a, m in zip(advantages[i], t.loss_mask) if m)
+            groups[t.group_id] = groups.get(t.group_id, False) or signal
+        out["diag/zero_adv_group_frac"] = sum(not s for s in groups.values()) / len(groups)
+    return out

@@ -30,6 +30,7 @@ from core.redact import redact, redact_uri
 from core.curriculum import Gate, GateState, Phase, gate_update, phase_start, total_steps, turn_limit_at
 from core.fingerprint import ResumeMismatch, check_resume, default_values, fingerprint
 from core.records import kept_metric_lines
+from core.metrics import step_diagnostics
 from flows.config import build_config
 from core.walltime import format_breakdown
 from core.evalreport import SCHEMA as EVAL_SCHEMA
@@ -383,7 +384,7 @@ class StepRecorder:
              step_time_s: float) -> dict[str, float]:
         cfg, plan, roll, trajs = self.cfg, self.plan, batch.metrics, batch.trajectories
         metrics = {**roll, **adv.stats, **{f"train/{k}": v for k, v in upd.items()}, "turn_limit": float(limit),
-                   "step_time_s": step_time_s}
+                   "step_time_s": step_time_s, **step_diagnostics(trajs, adv.advantages, limit)}
         self.tracker.log_metrics_once(self.run_id, metrics, step=gstep)
         if self.parent_run_id:
             self.tracker.log_metrics_once(self.parent_run_id, {k: metrics[k] for k in self.HEADLINE}, step=gstep)
@@ -397,7 +398,7 @@ class StepRecorder:
               f"{total_steps(list(plan.phases))}) turns<={limit} | episodes {int(roll['episodes'])} | "
               + fmt(metrics, ["mean_reward", "success_rate", "mean_turns", "gen_tokens_per_s",
                               "env_steps_per_s", "train/loss", "train/kl", "train/entropy"])
-              + f" | {step_time_s:.1f}s", flush=True)
+              + _diag_text(metrics) + f" | {step_time_s:.1f}s", flush=True)
         self.last_metrics = metrics
         return metrics
 
@@ -413,6 +414,17 @@ class StepRecorder:
             self.tracker.log_metrics_once(rid, {"curriculum/transition_phase": float(phase)}, step=global_step)
             self.tracker.set_tag(rid, f"scalinginter.phase_{phase}.end", f"{reason} at step {global_step}")
         self.tracker.log_text(self.run_id, json.dumps(event, indent=2), f"events/phase-{phase}-transition.json")
+
+
+def _diag_text(m: dict[str, float]) -> str:
+    """The step line's short stability part: invalid and repeated actions, turns used of the limit, groups
+    without signal (``core.metrics.step_diagnostics``)."""
+    parts = [(label, m.get(key)) for label, key in (("inv", "diag/invalid_action_rate"),
+                                                    ("rep", "diag/repeated_action_rate"),
+                                                    ("used", "diag/turns_used_frac"),
+                                                    ("0-adv", "diag/zero_adv_group_frac"))]
+    parts = [f"{label} {v:.2f}" for label, v in parts if v is not None]
+    return f" | {' '.join(parts)}" if parts else ""
 
 
 def trim_metrics_file(path: Path, position: int) -> None:

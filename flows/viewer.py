@@ -31,6 +31,7 @@ import pyarrow.parquet as pq
 from fastapi import Request
 
 from core import trajview as V
+from core.metrics import DIAGNOSTICS
 
 STATIC = Path(__file__).with_name("viewer_static")
 STEP_FILE = re.compile(r"^step-(\d+)\.parquet$")
@@ -468,6 +469,12 @@ def render_run(store: Store, name: str) -> str:
         V.svg_chart(title, series[k], ranges, y_range=(0.0, 1.0) if k == "success_rate" else None)
         for k, title in (("success_rate", "train success rate"), ("mean_reward", "mean reward"),
                          ("mean_turns", "mean turns"))) + "</div>"
+    # stability diagnostics per step (core.metrics.step_diagnostics; the update's entropy): a long-horizon run's
+    # collapse shows here (invalid or repeated actions rising, entropy falling, groups without signal) first
+    diag = [(k, t) for k, t in (("train/entropy", "policy entropy"),) + DIAGNOSTICS if _series(metrics, k)]
+    if diag:
+        body += "<h2>Stability diagnostics</h2>" + '<div class="charts">' + "".join(
+            V.svg_chart(title, _series(metrics, k), ranges) for k, title in diag) + "</div>"
     # phases
     prow = []
     phases_cfg = run.phases()

@@ -146,7 +146,8 @@ def runs(tmp_path):
     with open(run / "metrics.jsonl", "w") as fh:
         for s, ph, tl in ((1, 1, 2), (2, 1, 2), (3, 2, 3)):
             fh.write(json.dumps({"global_step": s, "phase": ph, "turn_limit": float(tl), "episodes": 60.0,
-                                 "success_rate": 0.25, "mean_reward": 0.25, "mean_turns": 2.0}) + "\n")
+                                 "success_rate": 0.25, "mean_reward": 0.25, "mean_turns": 2.0,
+                                 "train/entropy": 1.5 - 0.1 * s, "diag/invalid_action_rate": 0.1 * s}) + "\n")
     # an older run: the rollout layout before the viewer's columns
     old = tmp_path / "old"
     (old / "rollouts").mkdir(parents=True)
@@ -172,7 +173,8 @@ def test_pages_show_runs_steps_and_paging(client):
     assert r.status_code == 200 and 'href="/runs/r1"' in r.text and 'href="/runs/old"' in r.text
     assert "grpo" in r.text and "2 → 3 turns" in r.text
     r = client.get("/runs/r1")
-    assert r.status_code == 200 and r.text.count("<svg") == 3 and "phase 2: \u22643 turns" in r.text
+    assert r.status_code == 200 and r.text.count("<svg") == 5 and "phase 2: \u22643 turns" in r.text
+    assert "Stability diagnostics" in r.text and "policy entropy" in r.text and "invalid actions" in r.text
     assert 'href="/runs/r1/steps/1"' in r.text and "no rollout file" in r.text  # step 2 has metrics only
     r = client.get("/runs/r1/steps/1")
     assert r.status_code == 200 and "page 1 of 2" in r.text and r.text.count('class="episode-link"') == 50
