@@ -237,7 +237,7 @@ def warmstart(cfg: Any, demos: int, epochs: int, lr: float, out: str | Path, bat
         lr=lr, weight_decay=cfg.algo.weight_decay, kl_coef=0.0, grad_clip=cfg.algo.grad_clip,
         micro_batch_size=cfg.algo.micro_batch_size, micro_batch_tokens=cfg.algo.micro_batch_tokens,
         bf16_autocast=resolve_bf16(cfg.model.bf16_autocast),
-        temperature=1.0, share_prefix=False))
+        temperature=1.0, share_prefix=False, device=cfg.model.device))
 
     def progress(epoch: int, loss: float, st: dict[str, Any]) -> None:
         echo(f"epoch {epoch}/{epochs}: mean NLL {loss:.4f} over {st['tokens']} tokens, {st['optimizer_steps']} "

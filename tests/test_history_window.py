@@ -151,22 +151,11 @@ from tests.test_learning import LR, STEPS, TASKS, SAMPLES, TwoRooms, learned, ti
 def _train_windowed(model_dir: str, estimator: str, lr: float, k: int, mismatch: list | None = None) -> list[float]:
     """tests/test_learning.py's loop with a history window of ``k`` turns: the learner sees one sample per turn
     (``turn_samples``), the estimator the episodes (``join_rows`` / ``split_rows`` between them), as the flow does."""
-    import torch
 
-    from core.advantages import EstimatorParams, get_estimator, trajectory_advantages
-    from tasks.backends.generation import TransformersBackend
-    from tasks.backends.learner import LearnerConfig, TorchLearner
+    from core.advantages import trajectory_advantages
+    from tests.test_learning import setup
 
-    spec = get_estimator(estimator)
-    torch.manual_seed(0)
-    lc = LearnerConfig(lr=lr, kl_coef=0.001, clip=0.2, micro_batch_size=32, bf16_autocast=False,
-                       kl_in_loss=not spec.kl_in_reward, critic=spec.needs_critic, critic_lr=3e-3)
-    learner = TorchLearner(model_dir, lc)
-    tok = learner.tokenizer
-    backend = TransformersBackend(learner.model, tok.eos_token_id, tok.pad_token_id or tok.eos_token_id, 64,
-                                  bf16_autocast=False)
-    chat = ChatFormat.from_tokenizer(tok)
-    params = EstimatorParams(gamma=1.0, lam=0.95 if estimator == "ppo" else 1.0, kl_coef=0.001)
+    spec, learner, backend, chat, params = setup(model_dir, estimator, lr, ppo_steps=1)
     rates = []
     for _ in range(STEPS):
         specs = [EpisodeSpec(task_id=g, group_id=g) for g in range(TASKS) for _ in range(SAMPLES)]

@@ -107,20 +107,27 @@ STEPS, TASKS, SAMPLES = 30, 8, 4
 LR = {"grpo": 3e-3, "rloo": 4e-3, "reinforce++": 3e-3, "ppo": 3e-3, "gigpo": 3e-3}
 
 
-def train(model_dir: str, estimator: str, lr: float, seed: int = 0, updates: list | None = None) -> list[float]:
-    """Train for STEPS steps; returns the per-step success rate of the sampled rollouts (and appends each
-    update's metrics, with the estimator's stats, to ``updates``)."""
+def setup(model_dir: str, estimator: str, lr: float, seed: int = 0, ppo_steps: int = 2):
+    """The estimator's spec, a fresh learner (PPO: ``ppo_steps`` epochs x mini-batches), a transformers backend on
+    its model, the chat framing and the estimator parameters of the learning tests."""
     spec = get_estimator(estimator)
     torch.manual_seed(seed)
+    n = ppo_steps if estimator == "ppo" else 1
     lc = LearnerConfig(lr=lr, kl_coef=0.001, clip=0.2, micro_batch_size=32, bf16_autocast=False,
                        kl_in_loss=not spec.kl_in_reward, critic=spec.needs_critic, critic_lr=3e-3,
-                       ppo_epochs=2 if estimator == "ppo" else 1, mini_batches=2 if estimator == "ppo" else 1)
+                       ppo_epochs=n, mini_batches=n)
     learner = TorchLearner(model_dir, lc)
     tok = learner.tokenizer
     backend = TransformersBackend(learner.model, tok.eos_token_id, tok.pad_token_id or tok.eos_token_id, 64,
                                   bf16_autocast=False)
-    chat = ChatFormat.from_tokenizer(tok)
     params = EstimatorParams(gamma=1.0, lam=0.95 if estimator == "ppo" else 1.0, kl_coef=0.001)
+    return spec, learner, backend, ChatFormat.from_tokenizer(tok), params
+
+
+def train(model_dir: str, estimator: str, lr: float, seed: int = 0, updates: list | None = None) -> list[float]:
+    """Train for STEPS steps; returns the per-step success rate of the sampled rollouts (and appends each
+    update's metrics, with the estimator's stats, to ``updates``)."""
+    spec, learner, backend, chat, params = setup(model_dir, estimator, lr, seed)
     rates = []
     for _ in range(STEPS):
         specs = [EpisodeSpec(task_id=g, group_id=g) for g in range(TASKS) for _ in range(SAMPLES)]
