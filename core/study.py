@@ -1,37 +1,63 @@
 """The ScalingInter-vs-fixed-horizon study, as pure functions (no Prefect, no disk).
 
-Three arms train for the same number of steps with the same episodes per step and differ only in the turn
-limit of each phase:
+The arms train for the same number of steps with the same episodes per step and differ only in the turn
+limit of each phase, or (``scalinginter-gigpo``) in the advantage estimator:
 
 - ``scalinginter``: the curriculum as given (growing limits, e.g. 2 -> 3 -> 4);
 - ``fixed-short``: every phase at the first phase's limit;
-- ``fixed-long``: every phase at the last phase's limit.
+- ``fixed-long``: every phase at the last phase's limit;
+- ``scalinginter-gigpo``: the ScalingInter curriculum trained with GiGPO's per-turn advantage
+  (``algo.estimator=gigpo``: the episode advantage plus a step advantage among the group's turns that acted on
+  the same observation), the arm's own config overrides (``arm_overrides``).
 
 The phase boundaries stay the same in every arm, so each arm has a checkpoint at the same global steps
 and the held-out curve of every arm is measured at the same points.
+
+Results by required turns: an env that labels its tasks with the fewest turns its expert needs (BabyAI) puts each
+held-out task in a bucket (``core.evalreport.BUCKETS``: 1, 2-3, 4-6, 7+); ``bucket_indices`` / ``bucket_stats``
+break per-task outcomes down by it. ``phase_means`` / ``mean_of_dicts`` average a run's per-step stability
+diagnostics (``diag/*`` in ``metrics.jsonl``) over each phase and over seeds.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
+from typing import Any, Iterable
 
-ARMS = ("scalinginter", "fixed-short", "fixed-long")
+from core.evalreport import BUCKETS, required_turns_bucket
+from core.stats import mcnemar_exact, wilson_interval
+
+ARMS = ("scalinginter", "fixed-short", "fixed-long", "scalinginter-gigpo")
+DEFAULT_ARMS = ("scalinginter", "fixed-short", "fixed-long")  # the study command's --arms default
+_OVERRIDES = {"scalinginter-gigpo": ("algo.estimator=gigpo",)}  # needs rollout.samples_per_task >= 2 (groups)
+
+
+def _check_arm(arm: str) -> None:
+    if arm not in ARMS:
+        raise ValueError(f"unknown study arm {arm!r}; choose from {', '.join(ARMS)}")
 
 
 def arm_phases(phases: list[dict], arm: str) -> list[dict]:
     """The curriculum of one arm, from the ScalingInter one (a list of ``{"turn_limit", "steps"}``)."""
     if not phases:
         raise ValueError("the study needs a curriculum with at least one phase")
-    if arm == "scalinginter":
+    _check_arm(arm)
+    if arm in ("scalinginter", "scalinginter-gigpo"):
         limit = None
     elif arm == "fixed-short":
         limit = phases[0]["turn_limit"]
-    elif arm == "fixed-long":
+    else:  # fixed-long
         limit = phases[-1]["turn_limit"]
-    else:
-        raise ValueError(f"unknown study arm {arm!r}; choose from {', '.join(ARMS)}")
     return [{"turn_limit": p["turn_limit"] if limit is None else limit, "steps": p["steps"]} for p in phases]
+
+
+def arm_overrides(arm: str) -> list[str]:
+    """The config overrides (``key.path=value``) that make an arm besides its turn limits; applied after the
+    user's, so the arm's win."""
+    _check_arm(arm)
+    return list(_OVERRIDES.get(arm, ()))
 
 
 def parse_arms(text: str) -> list[str]:
@@ -44,6 +70,16 @@ def parse_arms(text: str) -> list[str]:
     if len(set(arms)) != len(arms):
         raise ValueError(f"--arms names an arm twice: {text}")
     return arms
+
+
+def comparison_pairs(arms: Iterable[str]) -> list[tuple[str, str]]:
+    """The paired comparisons (a, b) reported as "a - b": ScalingInter minus every other arm, then the GiGPO arm
+    minus each fixed arm; only pairs whose arms both ran."""
+    arms = list(arms)
+    out = [("scalinginter", b) for b in arms if b != "scalinginter"] if "scalinginter" in arms else []
+    if "scalinginter-gigpo" in arms:
+        out += [("scalinginter-gigpo", b) for b in ("fixed-long", "fixed-short") if b in arms]
+    return out
 
 
 @dataclass(frozen=True)
@@ -76,3 +112,86 @@ def pooled_successes(per_seed: list[list[float]]) -> list[float]:
     if any(len(p) != n for p in per_seed):
         raise ValueError("the seeds were scored on different numbers of tasks; a paired test needs the same tasks")
     return [statistics.fmean(p[i] for p in per_seed) for i in range(n)]
+
+
+# --- results by required turns -----------------------------------------------------------------------------
+def bucket_indices(labels: list[int | None]) -> dict[str, list[int]]:
+    """Positions of the labelled tasks per required-turns bucket, in bucket order (``labels``: the fewest turns
+    each task needs, None where the env did not label it; unlabelled tasks are in no bucket, empty buckets are
+    left out)."""
+    out: dict[str, list[int]] = {}
+    for i, need in enumerate(labels):
+        if need is not None:
+            out.setdefault(required_turns_bucket(int(need)), []).append(i)
+    return {k: out[k] for k in BUCKETS if k in out}
+
+
+def bucket_rates(values: list[float], labels: list[int | None]) -> dict[str, float]:
+    """Mean per-task success per bucket of one seed (``values[i]`` scores the task labelled ``labels[i]``)."""
+    if len(values) != len(labels):
+        raise ValueError(f"{len(values)} task scores for {len(labels)} labels")
+    return {k: statistics.fmean(values[i] for i in idx) for k, idx in bucket_indices(labels).items()}
+
+
+def bucket_stats(per_seed: list[list[float]], labels: list[int | None],
+                 base: list[float] | None = None) -> dict[str, dict[str, Any]]:
+    """Per bucket, over the seeds' per-task success lists (the same tasks in the same order as ``labels``):
+    ``success`` pooled over seeds and tasks, ``ci95`` its Wilson interval over the seeds' episodes (as the study's
+    overall number), ``tasks`` in the bucket, ``per_seed_success``; with ``base`` (the base model's per-task
+    success on the same tasks) ``vs_base_mcnemar_p``, the exact McNemar p of each seed against it."""
+    if not per_seed:
+        raise ValueError("no seeds")
+    if any(len(s) != len(labels) for s in per_seed) or (base is not None and len(base) != len(labels)):
+        raise ValueError(f"per-task scores and the {len(labels)} task labels differ in length")
+    out: dict[str, dict[str, Any]] = {}
+    for k, idx in bucket_indices(labels).items():
+        n = len(idx)
+        wins = sum(s[i] for s in per_seed for i in idx)
+        lo, hi = wilson_interval(int(round(wins)), n * len(per_seed))
+        cell: dict[str, Any] = {"success": wins / (n * len(per_seed)), "ci95": [lo, hi], "tasks": n,
+                                "per_seed_success": [sum(s[i] for i in idx) / n for s in per_seed]}
+        if base is not None:
+            cell["vs_base_mcnemar_p"] = [
+                mcnemar_exact(sum(1 for i in idx if s[i] > base[i]), sum(1 for i in idx if base[i] > s[i]))
+                for s in per_seed]
+        out[k] = cell
+    return out
+
+
+# --- stability diagnostics ---------------------------------------------------------------------------------
+def _number(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+        return None
+    return float(v)
+
+
+def phase_means(records: list[dict[str, Any]], keys: Iterable[str]) -> dict[str, dict[str, float]]:
+    """``{"phase-K": {key: mean over the phase's steps}}`` from a run's per-step records (``metrics.jsonl``: each
+    with ``phase`` and the keys); a key missing or NaN in a step is averaged over the steps that have it, and left
+    out of a phase where no step has it. Phases in order."""
+    keys = list(keys)
+    vals: dict[int, dict[str, list[float]]] = {}
+    for r in records:
+        if r.get("phase") is None:
+            continue
+        row = vals.setdefault(int(r["phase"]), {})
+        for k in keys:
+            v = _number(r.get(k))
+            if v is not None:
+                row.setdefault(k, []).append(v)
+    return {f"phase-{p}": {k: statistics.fmean(v) for k, v in vals[p].items()} for p in sorted(vals)}
+
+
+def mean_of_dicts(parts: list[tuple[dict[str, dict[str, float]], float]]) -> dict[str, dict[str, float]]:
+    """Weighted mean of nested ``{group: {key: value}}`` dicts (``parts``: (dict, weight), e.g. one per seed with
+    weight 1, or one per merged report with its number of seeds); a value is averaged over the parts that have it.
+    Groups in first-seen order."""
+    acc: dict[str, dict[str, list[float]]] = {}
+    for d, w in parts:
+        for g, row in d.items():
+            for k, v in row.items():
+                if _number(v) is not None:
+                    a = acc.setdefault(g, {}).setdefault(k, [0.0, 0.0])
+                    a[0] += w * float(v)
+                    a[1] += w
+    return {g: {k: s / w for k, (s, w) in row.items() if w > 0} for g, row in acc.items()}

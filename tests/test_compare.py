@@ -405,7 +405,7 @@ def test_compare_names_eval_runs(study_store, tmp_path):
     assert [l for l in lines if l.startswith("held-out @4")][0].split()[-3:] == _w(4).split()
 
 
-@pytest.mark.slow  # a Jupyter kernel: ~1 min on the shared 2-core machine
+@pytest.mark.slow  # not in CI: a Jupyter kernel (~1 min); the same table is the default tier's compare CLI test
 def test_notebook_study_cells(study_store, tmp_path, monkeypatch):
     """The notebook on the study: its first cells list the study's training runs (not the eval runs), the study
     cells print the same table as `scalinginter compare EXPERIMENT` and write the PNG."""

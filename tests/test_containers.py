@@ -158,7 +158,7 @@ def test_config_names_the_runtime():
         RunConfig.model_validate({"env": {"runtime": "podman"}})
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # not in CI: needs a Docker daemon with the built image (none on the CI machine: it skips)
 def test_real_daemon_serves_the_light_image():
     client = containers.docker_client()
     image = containers.image_for("babyai")

@@ -13,58 +13,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = '[{"turn_limit": 1, "steps": 3}, {"turn_limit": 2, "steps": 2}]'
 
 
-def warm_start(model, tok, steps: int = 80) -> None:
-    """Supervised steps on toy prompts answered with a uniformly random door, so the policy knows the answer
-    format (not which door): success ~1/3, and the estimators get signal."""
-    from core.chat import ChatFormat
-    from envs.toy import ToyEnv
-
-    chat = ChatFormat.from_tokenizer(tok)
-    env = ToyEnv()
-    prompts = []
-    for i in range(16):
-        obs, _ = env.reset(i)
-        prompts.append(chat.prompt_ids(env.instruction(), obs))
-    replies = [chat.encode(f"Action: open door {d}") + [tok.eos_token_id] for d in (1, 2, 3)]
-    gen = torch.Generator().manual_seed(0)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for _ in range(steps):
-        rows, targets = [], []
-        for p, d in zip(torch.randint(0, 16, (12,), generator=gen).tolist(),
-                        torch.randint(0, 3, (12,), generator=gen).tolist()):
-            rows.append(prompts[p] + replies[d])
-            targets.append([-100] * len(prompts[p]) + replies[d])
-        width = max(map(len, rows))
-        ids = torch.tensor([r + [tok.eos_token_id] * (width - len(r)) for r in rows])
-        labels = torch.tensor([t + [-100] * (width - len(t)) for t in targets])
-        loss = model(input_ids=ids, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    model.eval()
-
-
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from tasks.backends.model import resolve_model
-
-    tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                                         max_position_embeddings=1024, bos_token_id=tok.bos_token_id,
-                                         eos_token_id=tok.eos_token_id))
-    warm_start(model, tok)
-    d = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
+def tiny_model(toy_policy):
+    """The session's tiny Llama that writes toy actions (tests/toypolicy.py)."""
+    return toy_policy
 
 
 def cli(out, model, name, *extra, fault_after: int | None = None):

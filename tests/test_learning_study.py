@@ -1,10 +1,14 @@
 """`bench/learning_study.py` end to end at toy size, so the study command cannot rot: three arms of the tiny
 BabyAI preset (real SmolLM2, transformers backend), one seed, two held-out tasks, budgets 1 and 2. Checks the
 arms' curricula as trained, the held-out curve points from eval.each_phase, the report's statistics and the
-JSON / PNG / table it writes. The numbers are not the point at this size; their shape and provenance are."""
+JSON / PNG / table it writes. The numbers are not the point at this size; their shape and provenance are.
+
+The fast tests build the report from synthetic evaluation documents and run records (the shapes ``train_arm`` and
+``flows.evaluate`` produce) and check its per-bucket numbers, comparisons, merge, table and plot by hand."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -14,6 +18,245 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
+def _bench():
+    sys.path.insert(0, str(ROOT / "bench"))
+    import learning_study
+
+    return learning_study
+
+
+# --- the report from synthetic runs ---------------------------------------------------------------------------
+# 8 held-out tasks: bucket "1" = tasks 0-2, "2-3" = 3-4, "4-6" = 5, "7+" = 6, task 7 unlabelled; budgets 2 and 4
+TASKS = list(range(1000, 1008))
+LABELS = [1, 1, 1, 2, 3, 5, 9, None]
+BASE = {4: [0, 0, 0, 1, 0, 0, 0, 1], 2: [0, 0, 0, 0, 0, 0, 0, 1]}
+# per arm, per seed: the final checkpoint's greedy outcomes per budget, and the phase-1 final's at 4 turns
+FINAL = {
+    "scalinginter": [{4: [1, 1, 1, 1, 0, 0, 0, 1], 2: [1, 0, 0, 0, 0, 0, 0, 0]},
+                     {4: [1, 1, 0, 0, 1, 1, 0, 0], 2: [0, 0, 0, 0, 0, 0, 0, 0]}],
+    "fixed-long": [{4: [0, 0, 0, 1, 0, 0, 0, 1], 2: [0, 0, 0, 0, 0, 0, 0, 0]},
+                   {4: [1, 0, 0, 1, 0, 0, 0, 1], 2: [0, 0, 0, 0, 0, 0, 0, 0]}],
+    "scalinginter-gigpo": [{4: [1, 1, 1, 1, 1, 1, 1, 1], 2: [1, 1, 1, 0, 0, 0, 0, 1]},
+                           {4: [1, 1, 1, 1, 1, 0, 0, 1], 2: [1, 1, 0, 0, 0, 0, 0, 1]}],
+}
+PHASE1 = {"scalinginter": [[1, 0, 0, 0, 0, 0, 0, 1], [0, 0, 0, 1, 0, 0, 0, 0]]}  # other arms: the base's
+ARMS3 = list(FINAL)
+PHASES = [{"turn_limit": 2, "steps": 1}, {"turn_limit": 4, "steps": 1}]
+
+
+def _doc(outcomes: dict[int, list[int]], labels: list, ref: str) -> dict:
+    """An evaluation document as flows.evaluate writes it (greedy, one sample per task)."""
+    from core.evalreport import Outcome, model_report
+
+    outs = [Outcome(task_id=t, turn_limit=b, sample=0, success=bool(v[i]), reward=float(v[i]), turns=b,
+                    required_turns=labels[i])
+            for b, v in outcomes.items() for i, t in enumerate(TASKS)]
+    return {"task_ids": list(TASKS), "samples": 1,
+            "models": {"model": {"ref": ref, **model_report(outs, TASKS, sorted(outcomes), 1)}}}
+
+
+def _run(arm: str, seed: int, labels: list) -> dict:
+    """A run record as train_arm returns it (2 steps, one per phase), with its final evaluation."""
+    name = f"study-babyai-{arm}-s{seed}"
+    phase1 = PHASE1.get(arm, [BASE[4], BASE[4]])[seed]
+    # seed 0: turn-limit share 1.0 then 0.5, entropy 2.0; seed 1: 0.5 then 0.0, entropy NaN (a step without it)
+    records = [{"global_step": 1, "phase": 1, "diag/turn_limit_frac": 1.0 - 0.5 * seed,
+                "train/entropy": float("nan") if seed else 2.0, "success_rate": 0.5 * seed},
+               {"global_step": 2, "phase": 2, "diag/turn_limit_frac": 0.5 - 0.5 * seed,
+                "success_rate": 0.25 + 0.5 * seed}]
+    return {"run_name": name, "arm": arm, "seed": seed, "final_checkpoint": f"/x/{name}/final",
+            "overrides": [], "mlflow_run_id": None, "wall_time_s": 10.0 + seed, "steps": 2,
+            "generated_tokens": 100 * (seed + 1), "step_time_s": 4.0,
+            "train_success": {1: 0.5 * seed, 2: 0.25 + 0.5 * seed},
+            "heldout_by_step": {1: {**_doc({4: phase1}, labels, f"/x/{name}/phase-1"), "global_step": 1}},
+            "step_records": records, "final_eval": _doc(FINAL[arm][seed], labels, f"/x/{name}/final")}
+
+
+def _report(seeds: list[int], labels: list = LABELS) -> dict:
+    """build_report on the synthetic runs, through JSON as the study writes it."""
+    ls = _bench()
+    a = argparse.Namespace(env="babyai", preset="multistep", set=["model.path=/m"], seeds=len(seeds), eval_n=8,
+                           experiment="learning-study-babyai")
+    runs = [_run(arm, s, labels) for s in seeds for arm in ARMS3]
+    rep = ls.build_report(a, ARMS3, PHASES, [2, 4], _doc(BASE, labels, "/m"), runs, 60.0)
+    rep["start_model"] = {"path": "/m", "warmstart": None}
+    return json.loads(json.dumps(rep))
+
+
+def _flat(x, key=""):
+    """Nested dicts/lists -> {path: leaf}, to compare two reports' numbers with a tolerance."""
+    if isinstance(x, dict):
+        return {k: v for kk, vv in x.items() for k, v in _flat(vv, f"{key}/{kk}").items()}
+    if isinstance(x, list):
+        return {k: v for i, vv in enumerate(x) for k, v in _flat(vv, f"{key}/{i}").items()}
+    return {key: x}
+
+
+def test_build_report_buckets_by_hand():
+    from core.stats import wilson_interval
+
+    rep = _report([0, 1])
+    assert rep["task_required_turns"] == LABELS and rep["task_ids"] == TASKS
+    assert rep["base"]["per_task_by_budget"] == {"2": BASE[2], "4": BASE[4]}
+    assert {k: c["success"] for k, c in rep["base"]["buckets"]["4"].items()} == {"1": 0.0, "2-3": 0.5, "4-6": 0.0,
+                                                                                 "7+": 0.0}
+    si = rep["arms"]["scalinginter"]
+    assert si["overrides"] == [] and rep["arms"]["scalinginter-gigpo"]["overrides"] == ["algo.estimator=gigpo"]
+    assert si["turn_limits"] == [2, 4] and rep["arms"]["fixed-long"]["turn_limits"] == [4, 4]
+    # at 4 turns seed 0 solves 5 of 8, seed 1 4 of 8; at 2 turns 1 and 0
+    assert si["heldout_success"] == pytest.approx(9 / 16) and si["sweep"] == {"2": 1 / 16, "4": 9 / 16}
+    assert si["per_seed_per_task_by_budget"] == {"2": [FINAL["scalinginter"][0][2], FINAL["scalinginter"][1][2]],
+                                                 "4": [FINAL["scalinginter"][0][4], FINAL["scalinginter"][1][4]]}
+    b4 = si["buckets"]["4"]
+    assert list(b4) == ["1", "2-3", "4-6", "7+"]
+    # "1" (tasks 0-2; base 0, 0, 0): seed 0 solves 3, seed 1 2 -> 5/6; McNemar vs base: seed 0 b=3, c=0 ->
+    # 2 * 0.5^3 = 0.25; seed 1 b=2, c=0 -> 2 * 0.5^2 = 0.5
+    assert b4["1"]["success"] == pytest.approx(5 / 6) and b4["1"]["tasks"] == 3
+    assert b4["1"]["ci95"] == pytest.approx(list(wilson_interval(5, 6)))
+    assert b4["1"]["per_seed_success"] == pytest.approx([1.0, 2 / 3])
+    assert b4["1"]["vs_base_mcnemar_p"] == pytest.approx([0.25, 0.5])
+    # "2-3" (tasks 3, 4; base 1, 0): [1, 0] and [0, 1] -> 2/4; "4-6" (task 5): 0, 1; "7+" (task 6): 0, 0
+    assert (b4["2-3"]["success"], b4["4-6"]["success"], b4["7+"]["success"]) == (0.5, 0.5, 0.0)
+    assert b4["4-6"]["per_seed_success"] == [0.0, 1.0]
+    # at 2 turns: "1" seed 0 solves task 0 only -> 1/6, vs the base (none): b=1, c=0 -> p 1
+    b2 = si["buckets"]["2"]
+    assert b2["1"]["success"] == pytest.approx(1 / 6) and b2["1"]["vs_base_mcnemar_p"] == [1.0, 1.0]
+    assert b2["2-3"]["success"] == 0.0
+    # bucket curves at 4 turns: base (step 0), phase-1 final (step 1), final (step 2)
+    c1 = si["bucket_curves"]["1"]
+    assert c1["0"] == {"mean": 0.0, "lo": 0.0, "hi": 0.0, "n": 2}
+    assert c1["1"] == {"mean": pytest.approx(1 / 6), "lo": 0.0, "hi": pytest.approx(1 / 3), "n": 2}
+    assert c1["2"] == {"mean": pytest.approx(5 / 6), "lo": pytest.approx(2 / 3), "hi": 1.0, "n": 2}
+    assert si["bucket_curves"]["2-3"]["1"]["mean"] == pytest.approx(0.25)  # phase 1: [0, 0] and [1, 0]
+    # overall held-out curve: base 2/8, phase 1 (2/8 + 1/8) / 2, final (5/8 + 4/8) / 2
+    assert {s: b["mean"] for s, b in si["curve"].items()} == pytest.approx({"0": 0.25, "1": 0.1875, "2": 0.5625})
+    # diagnostics: per phase over the steps, then over the seeds (the NaN entropy step is left out)
+    assert si["diagnostics"] == {
+        "phase-1": {"diag/turn_limit_frac": 0.75, "train/entropy": 2.0, "success_rate": 0.25},
+        "phase-2": {"diag/turn_limit_frac": 0.25, "success_rate": 0.5}}
+    assert set(si["diag_curves"]) == {"diag/turn_limit_frac", "train/entropy"}
+    assert si["diag_curves"]["diag/turn_limit_frac"]["1"] == {"mean": 0.75, "lo": 0.5, "hi": 1.0, "n": 2}
+    assert si["diag_curves"]["train/entropy"] == {"1": {"mean": 2.0, "lo": 2.0, "hi": 2.0, "n": 1}}
+    # comparisons: ScalingInter minus the others, the GiGPO arm minus the fixed one; per budget and bucket
+    cmp = rep["comparisons"]
+    assert list(cmp) == ["scalinginter - fixed-long", "scalinginter - scalinginter-gigpo",
+                         "scalinginter-gigpo - fixed-long"]
+    c = cmp["scalinginter - fixed-long"]
+    # pooled per task at 4: [1, 1, .5, .5, .5, .5, 0, .5] (4.5/8) vs [.5, 0, 0, 1, 0, 0, 0, 1] (2.5/8)
+    assert c["diff"] == pytest.approx(0.25) and c["tasks"] == 8
+    assert set(c["budgets"]) == {"2", "4"} and c["budgets"]["4"]["diff"] == pytest.approx(0.25)
+    assert c["budgets"]["2"]["diff"] == pytest.approx(1 / 16)
+    assert list(c["budgets"]["4"]["buckets"]) == ["1", "2-3", "4-6", "7+"]
+    assert c["budgets"]["4"]["buckets"]["1"]["diff"] == pytest.approx(5 / 6 - 1 / 6)  # [1, 1, .5] vs [.5, 0, 0]
+    assert c["budgets"]["4"]["buckets"]["1"]["tasks"] == 3
+    g = cmp["scalinginter-gigpo - fixed-long"]["budgets"]["2"]  # at 2: [1, 1, .5, 0, 0, 0, 0, 1] vs zeros
+    assert g["diff"] == pytest.approx(3.5 / 8) and g["buckets"]["1"]["diff"] == pytest.approx(2.5 / 3)
+    assert "final_eval" not in rep["runs"][0] and len(rep["runs"]) == 6
+
+
+def test_build_report_refuses_other_tasks_and_skips_buckets_without_labels(tmp_path):
+    ls = _bench()
+    a = argparse.Namespace(env="babyai", preset="multistep", set=[], seeds=1, eval_n=8, experiment="x")
+    run = _run("scalinginter", 0, LABELS)
+    run["final_eval"]["task_ids"] = TASKS[::-1]
+    with pytest.raises(SystemExit, match="other held-out tasks"):
+        ls.build_report(a, ["scalinginter"], PHASES, [2, 4], _doc(BASE, LABELS, "/m"), [run], 1.0)
+    # an env that labels no task: no buckets anywhere, the rest as before
+    rep = _report([0, 1], labels=[None] * 8)
+    assert "task_required_turns" not in rep and "buckets" not in rep["base"]
+    for r in rep["arms"].values():
+        assert "buckets" not in r and "bucket_curves" not in r
+    assert rep["arms"]["scalinginter"]["heldout_success"] == pytest.approx(9 / 16)
+    c = rep["comparisons"]["scalinginter - fixed-long"]
+    assert set(c["budgets"]) == {"2", "4"} and "buckets" not in c["budgets"]["4"]
+    assert "by required turns" not in ls.table(rep)
+    ls.plot(rep, tmp_path / "plain.png")
+    assert (tmp_path / "plain.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_merge_of_one_seed_reports_equals_the_two_seed_report():
+    ls = _bench()
+    full = _report([0, 1])
+    m = ls.merge_reports([_report([0]), _report([1])])
+    assert m["seeds"] == 2 and m["budgets"] == [2, 4] and m["task_required_turns"] == LABELS
+    assert m["base"]["buckets"] == full["base"]["buckets"]
+    assert m["base"]["per_task_by_budget"] == full["base"]["per_task_by_budget"]
+    for arm in ARMS3:
+        got, want = m["arms"][arm], full["arms"][arm]
+        for key in ("buckets", "per_seed_per_task_by_budget", "per_seed_per_task", "pooled_per_task", "ci95",
+                    "vs_base_mcnemar_p", "per_seed_success", "overrides", "turn_limits"):
+            assert got[key] == want[key], (arm, key)
+        for key in ("heldout_success", "sweep", "bucket_curves", "diagnostics", "diag_curves", "curve"):
+            assert _flat(got[key]) == pytest.approx(_flat(want[key])), (arm, key)
+    assert m["comparisons"] == full["comparisons"]  # the same pooled per-task outcomes, the same bootstrap seed
+    bad = _report([1])
+    bad["task_required_turns"] = [1] * 8
+    with pytest.raises(SystemExit, match="required-turns labels"):
+        ls.merge_reports([_report([0]), bad])
+
+
+def test_table_and_plot_show_the_buckets(tmp_path):
+    from core.stats import wilson_interval
+
+    ls = _bench()
+    rep = _report([0, 1])
+    text = ls.table(rep)
+    assert "arm overrides: scalinginter-gigpo: algo.estimator=gigpo" in text
+    i4, i2 = (text.index(f"held-out by required turns at {b} turns") for b in (4, 2))
+    assert i4 < i2  # the largest budget first
+    block = text[i4:i2].splitlines()
+    assert block[1].split() == ["1", "(n=3)", "2-3", "(n=2)", "4-6", "(n=1)", "7+", "(n=1)"]
+    lo, hi = wilson_interval(5, 6)
+    si_row = next(line for line in block if line.startswith("scalinginter "))
+    assert si_row.split()[1:3] == ["0.83", f"[{lo:.2f},{hi:.2f}]"]  # bucket "1": 5/6
+    base_row = next(line for line in block if line.startswith("base model"))
+    assert base_row.split()[2:4] == ["0.00", "[0.00,0.56]"]  # Wilson of 0/3
+    assert "at 2 turns: all +0.062" in text  # ScalingInter - fixed-long at 2 turns: 1/16
+    assert "stability diagnostics per phase" in text
+    diag = next(line for line in text.splitlines() if line.startswith("scalinginter ") and "phase-1" in line)
+    assert diag.split()[1:3] == ["phase-1", "2"] and diag.split()[6] == "0.750"  # turn limit 2; at-limit 0.75
+    for name, r in (("single", rep), ("merged", ls.merge_reports([_report([0]), _report([1])]))):
+        png = tmp_path / f"{name}.png"
+        ls.plot(r, png)
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("arm", ["scalinginter", "fixed-short", "fixed-long", "scalinginter-gigpo"])
+def test_train_arm_command_gives_the_arm_its_curriculum_and_overrides(tmp_path, monkeypatch, arm):
+    """The ``scalinginter run`` command of an arm, read back as the run reads it: the arm's turn limits and
+    overrides win over the user's ``--set`` (which may set the curriculum the arms derive from)."""
+    from core.study import arm_phases
+    from flows.config import build_config
+
+    ls = _bench()
+    seen = []
+
+    def fake_run(cmd, log, label):
+        seen.append(cmd)
+        raise _Stop
+
+    monkeypatch.setattr(ls, "_run_logged", fake_run)
+    user = ['curriculum.phases=[{"turn_limit": 1, "steps": 1}, {"turn_limit": 3, "steps": 2}]',
+            "algo.estimator=grpo", "rollout.samples_per_task=2"]
+    a = argparse.Namespace(env="babyai", preset="multistep", set=user, output_dir=str(tmp_path), eval_n=4,
+                           experiment="learning-study-babyai")
+    phases = [p.model_dump() for p in build_config("babyai", "multistep", user).curriculum.phases]
+    assert [p["turn_limit"] for p in phases] == [1, 3]  # main() derives the arms from the user's curriculum
+    with pytest.raises(_Stop):
+        ls.train_arm(a, arm, 0, phases, 3)
+    (cmd,) = seen
+    sets = [cmd[i + 1] for i, x in enumerate(cmd) if x == "--set"]
+    cfg = build_config("babyai", "multistep", sets)  # as flows.cli applies them: in order, the last one wins
+    assert [p.model_dump() for p in cfg.curriculum.phases] == arm_phases(phases, arm)
+    assert cfg.algo.estimator == ("gigpo" if arm == "scalinginter-gigpo" else "grpo")
+    assert cfg.seed == 0 and cfg.eval.turn_limit == 3 and cfg.eval.n == 4 and cfg.eval.each_phase
+    assert cmd[cmd.index("--run-name") + 1] == f"study-babyai-{arm}-s0"
 
 @pytest.mark.slow
 def test_learning_study_toy(tmp_path):
@@ -45,3 +288,67 @@ def test_learning_study_toy(tmp_path):
     # a second invocation resumes: nothing is trained or scored again
     p2 = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p2.returncode == 0 and "training study-" not in p2.stdout and "evaluating " not in p2.stdout
+
+
+@pytest.mark.slow
+def test_learning_study_multistep_toy(tmp_path, toy_policy):
+    """The multistep study's four arms (GiGPO included) end to end at toy size: the multistep preset's levels
+    with a 1 -> 2 turn curriculum of one step per phase, the tiny warm-started Llama of tests/toypolicy.py, one
+    seed, four held-out tasks, budgets 1 and 2. Checks that the GiGPO arm trained with GiGPO and that the report
+    carries the tasks' required-turns labels, the per-bucket results, curves and diagnostics, and the GiGPO
+    comparisons."""
+    import os
+
+    from core.evalreport import BUCKETS
+
+    out, res = tmp_path / "runs", tmp_path / "results"
+    arms = ["scalinginter", "fixed-short", "fixed-long", "scalinginter-gigpo"]
+    sets = [f"model.path={toy_policy}",
+            'curriculum.phases=[{"turn_limit": 1, "steps": 1}, {"turn_limit": 2, "steps": 1}]',
+            "rollout.tasks_per_step=2", "rollout.samples_per_task=2", "rollout.max_new_tokens=8",
+            "rollout.token_budget=1000", "rollout.backend=transformers", "tracking.log_trajectories=0"]
+    cmd = [sys.executable, str(ROOT / "bench" / "learning_study.py"), "--env", "babyai", "--preset", "multistep",
+           "--arms", ",".join(arms), "--seeds", "1", "--eval-n", "4", "--budgets", "1,2",
+           "--output-dir", str(out), "--results", str(res)]
+    for s in sets:
+        cmd += ["--set", s]
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # the study's own store under out
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    (js,) = res.glob("learning-study-babyai-*.json")
+    assert js.with_suffix(".png").stat().st_size > 1000
+    md = js.with_suffix(".md").read_text()
+    assert "held-out by required turns at 2 turns" in md and "held-out by required turns at 1 turns" in md
+    assert "arm overrides: scalinginter-gigpo: algo.estimator=gigpo" in md
+    rep = json.loads(js.read_text())
+    assert rep["start_model"]["path"] == str(toy_policy)
+    assert list(rep["arms"]) == arms
+    assert [rep["arms"][a]["turn_limits"] for a in arms] == [[1, 2], [1, 1], [2, 2], [1, 2]]
+    for arm, r in rep["arms"].items():
+        cfg = json.loads((out / f"study-babyai-{arm}-s0" / "config.json").read_text())
+        assert [ph["turn_limit"] for ph in cfg["curriculum"]["phases"]] == r["turn_limits"]  # trained as planned
+        assert cfg["algo"]["estimator"] == ("gigpo" if arm == "scalinginter-gigpo" else "grpo")
+        assert cfg["model"]["path"] == str(toy_policy) and cfg["rollout"]["samples_per_task"] == 2
+        assert r["overrides"] == (["algo.estimator=gigpo"] if arm == "scalinginter-gigpo" else [])
+    labels = rep["task_required_turns"]  # BabyAI's expert labels every held-out task
+    assert len(labels) == 4 and all(isinstance(x, int) and x >= 1 for x in labels)
+    for name, r in [("base", rep["base"])] + list(rep["arms"].items()):
+        assert set(r["buckets"]) == {"1", "2"}, name
+        for b, cells in r["buckets"].items():
+            assert set(cells) <= set(BUCKETS) and sum(c["tasks"] for c in cells.values()) == 4, (name, b)
+            for c in cells.values():
+                assert c["ci95"][0] <= c["success"] <= c["ci95"][1]
+    for arm, r in rep["arms"].items():
+        assert r["steps"] == 2
+        assert set(r["bucket_curves"]) == set(r["buckets"]["2"])
+        for curve in r["bucket_curves"].values():
+            assert sorted(int(s) for s in curve) == [0, 1, 2]  # base, phase-1 final, final
+        assert list(r["diagnostics"]) == ["phase-1", "phase-2"]
+        assert "diag/turn_limit_frac" in r["diagnostics"]["phase-1"] and "success_rate" in r["diagnostics"]["phase-2"]
+        assert sorted(int(s) for s in r["diag_curves"]["diag/turn_limit_frac"]) == [1, 2]
+    assert list(rep["comparisons"]) == ["scalinginter - fixed-short", "scalinginter - fixed-long",
+                                        "scalinginter - scalinginter-gigpo", "scalinginter-gigpo - fixed-long",
+                                        "scalinginter-gigpo - fixed-short"]
+    for c in rep["comparisons"].values():
+        assert set(c["budgets"]) == {"1", "2"}
+        assert set(c["budgets"]["2"]["buckets"]) == set(rep["base"]["buckets"]["2"])

@@ -112,27 +112,30 @@ def test_credentials_from_a_prefect_block(aws_env, monkeypatch, tmp_path):
     assert apply_s3_block(None) == []
 
 
-def cli(out, name, env, *extra):
+def cli(out, model, name, env, *extra):
+    """The toy env and a tiny policy (tests/toypolicy.py): the S3 checkpoint path is the point, not the model."""
     exe = Path(sys.executable).with_name("scalinginter")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "flows.cli"]
     phases = '[{"turn_limit": 1, "steps": 1}, {"turn_limit": 2, "steps": 2}]'
-    cmd += ["run", "babyai", "--preset", "tiny", "--set", f"curriculum.phases={phases}", "--set", "eval.before=false",
-            "--set", "eval.after=false", "--set", "tracking.log_trajectories=0", "--set", f"output_dir={out}",
-            "--run-name", name, *extra]
+    sets = [f"model.path={model}", "rollout.backend=transformers", f"curriculum.phases={phases}",
+            "rollout.tasks_per_step=2", "rollout.samples_per_task=2", "rollout.max_new_tokens=8",
+            "rollout.token_budget=512", "env.task_pool=1000", "eval.before=false", "eval.after=false",
+            "tracking.log_trajectories=0", f"output_dir={out}"]
+    cmd += ["run", "toy", "--run-name", name] + [a for x in sets for a in ("--set", x)] + list(extra)
     return subprocess.run(cmd, cwd=out, env={**os.environ, **env, "PYTHONPATH": str(ROOT)}, capture_output=True,
                           text=True, timeout=900)
 
 
 @pytest.mark.slow
-def test_killed_run_resumes_from_s3(aws_env, tmp_path):
+def test_killed_run_resumes_from_s3(aws_env, tmp_path, toy_policy):
     env, bucket = aws_env
     root = f"s3://{bucket}/runs"
-    p = cli(tmp_path, "s3run", {**env, "SCALINGINTER_FAULT_AFTER_STEP": "2"}, "--set", f"checkpoint.root={root}")
+    p = cli(tmp_path, toy_policy, "s3run", {**env, "SCALINGINTER_FAULT_AFTER_STEP": "2"}, "--set", f"checkpoint.root={root}")
     assert p.returncode != 0 and "fault injection" in p.stdout + p.stderr
     run = f"{root}/s3run"
     assert cs.list_checkpoints(run) == [f"{run}/phase-1/final", f"{run}/phase-2/step-000001"]
     assert cs.read_latest(f"{run}/phase-2") == f"{run}/phase-2/step-000001"
-    p = cli(tmp_path, "s3run", env, "--set", f"checkpoint.root={root}")
+    p = cli(tmp_path, toy_policy, "s3run", env, "--set", f"checkpoint.root={root}")
     log = p.stdout + p.stderr
     assert p.returncode == 0, log[-3000:]
     assert "phase 1: final checkpoint exists" in log and "phase 2: resuming after step 1/2" in log

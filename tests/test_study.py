@@ -94,3 +94,164 @@ def test_merge_reports_pools_seeds_by_hand():
         merge_reports([a, _report({"scalinginter": [[1, 1, 1, 1]], "fixed-short": [[0, 0, 0, 0]]}, base=0.5)])
     with pytest.raises(SystemExit, match="two or more"):
         merge_reports([a])
+
+
+# --- the GiGPO arm, comparison pairs --------------------------------------------------------------------------
+def test_gigpo_arm_is_the_scalinginter_curriculum_with_the_gigpo_estimator():
+    from core.study import ARMS, DEFAULT_ARMS, arm_overrides
+
+    assert arm_phases(PHASES, "scalinginter-gigpo") == PHASES  # growing limits, as ScalingInter
+    assert arm_overrides("scalinginter-gigpo") == ["algo.estimator=gigpo"]
+    for arm in ("scalinginter", "fixed-short", "fixed-long"):
+        assert arm_overrides(arm) == []
+    got = arm_overrides("scalinginter-gigpo")
+    got.append("x=1")  # a fresh list: the caller cannot change the arm
+    assert arm_overrides("scalinginter-gigpo") == ["algo.estimator=gigpo"]
+    assert "scalinginter-gigpo" in ARMS and "scalinginter-gigpo" not in DEFAULT_ARMS
+    assert parse_arms("scalinginter,scalinginter-gigpo") == ["scalinginter", "scalinginter-gigpo"]
+    with pytest.raises(ValueError, match="unknown study arm 'gigpo'"):
+        arm_overrides("gigpo")
+    with pytest.raises(ValueError, match="unknown study arm 'gigpo'"):
+        arm_phases(PHASES, "gigpo")
+
+
+def test_gigpo_arm_override_makes_a_valid_gigpo_config():
+    """The override is a real config key: on the multistep preset it selects GiGPO; with groups of one the config
+    is refused (GiGPO needs rollout.samples_per_task >= 2)."""
+    from core.config import ConfigError, build_config
+    from core.study import arm_overrides
+    from envs.babyai.presets import PRESETS
+
+    cfg = build_config("babyai", "multistep", arm_overrides("scalinginter-gigpo"), presets=PRESETS)
+    assert cfg.algo.estimator == "gigpo" and cfg.rollout.samples_per_task == 4
+    plain = build_config("babyai", "multistep", arm_overrides("scalinginter"), presets=PRESETS)
+    assert plain.algo.estimator == "grpo"
+    with pytest.raises(ConfigError, match="samples_per_task >= 2"):
+        build_config("babyai", "multistep", ["rollout.samples_per_task=1", *arm_overrides("scalinginter-gigpo")],
+                     presets=PRESETS)
+
+
+def test_comparison_pairs_orders_and_subsets():
+    from core.study import comparison_pairs
+
+    every = ["scalinginter", "fixed-short", "fixed-long", "scalinginter-gigpo"]
+    assert comparison_pairs(every) == [("scalinginter", "fixed-short"), ("scalinginter", "fixed-long"),
+                                       ("scalinginter", "scalinginter-gigpo"),
+                                       ("scalinginter-gigpo", "fixed-long"), ("scalinginter-gigpo", "fixed-short")]
+    # ScalingInter's pairs follow the given arm order; the GiGPO arm's are always long, then short
+    assert comparison_pairs(["fixed-long", "scalinginter-gigpo", "fixed-short", "scalinginter"]) == [
+        ("scalinginter", "fixed-long"), ("scalinginter", "scalinginter-gigpo"), ("scalinginter", "fixed-short"),
+        ("scalinginter-gigpo", "fixed-long"), ("scalinginter-gigpo", "fixed-short")]
+    assert comparison_pairs(["fixed-short", "scalinginter"]) == [("scalinginter", "fixed-short")]
+    assert comparison_pairs(["scalinginter-gigpo", "fixed-short"]) == [("scalinginter-gigpo", "fixed-short")]
+    assert comparison_pairs(["scalinginter", "scalinginter-gigpo"]) == [("scalinginter", "scalinginter-gigpo")]
+    assert comparison_pairs(iter(["fixed-short", "fixed-long"])) == []  # no ScalingInter arm: nothing to compare
+    assert comparison_pairs(["scalinginter"]) == [] and comparison_pairs([]) == []
+
+
+# --- results by required turns --------------------------------------------------------------------------------
+def test_bucket_indices_skip_unlabelled_and_keep_bucket_order():
+    from core.evalreport import BUCKETS
+    from core.study import bucket_indices
+
+    labels = [None, 7, 1, 3, 4, 2, 12, 1, None, 6]
+    got = bucket_indices(labels)
+    assert got == {"1": [2, 7], "2-3": [3, 5], "4-6": [4, 9], "7+": [1, 6]}
+    assert list(got) == list(BUCKETS) == ["1", "2-3", "4-6", "7+"]  # 7+ seen first, listed last
+    assert list(bucket_indices([9, 2])) == ["2-3", "7+"]  # empty buckets are left out
+    assert bucket_indices([None, None]) == {} and bucket_indices([]) == {}
+    with pytest.raises(ValueError, match=">= 1"):
+        bucket_indices([1, 0])
+
+
+def test_bucket_rates_per_bucket_mean():
+    from core.study import bucket_rates
+
+    # "1": tasks 0 and 3 -> (1 + 0.5) / 2; "2-3": task 1 -> 0; task 2 unlabelled; "7+": task 4 -> 1
+    assert bucket_rates([1, 0, 1, 0.5, 1], [1, 2, None, 1, 8]) == {"1": 0.75, "2-3": 0.0, "7+": 1.0}
+    assert bucket_rates([1, 0], [None, None]) == {}
+    with pytest.raises(ValueError, match="3 task scores for 4 labels"):
+        bucket_rates([1, 0, 1], [1, 2, 3, 4])
+
+
+# 8 held-out tasks: "1" = tasks 0-2, "2-3" = 3-4, "4-6" = 5, "7+" = 6, task 7 unlabelled
+LABELS = [1, 1, 1, 2, 3, 5, 9, None]
+BASE = [0, 0, 0, 1, 0, 0, 0, 1]
+SEEDS = [[1, 1, 1, 1, 0, 0, 0, 1], [1, 1, 0, 0, 1, 1, 0, 0]]
+
+
+def test_bucket_stats_by_hand():
+    from core.stats import wilson_interval
+    from core.study import bucket_stats
+
+    got = bucket_stats(SEEDS, LABELS, BASE)
+    assert list(got) == ["1", "2-3", "4-6", "7+"]
+    one = got["1"]
+    # "1": seed 0 solves 3/3, seed 1 2/3 -> 5 of 6 episodes; the base solves none of the three.
+    # McNemar vs base: seed 0 b=3 (only the seed), c=0 -> two-sided binomial 2 * 0.5^3 = 0.25;
+    # seed 1 b=2, c=0 -> 2 * 0.5^2 = 0.5
+    assert one["success"] == pytest.approx(5 / 6) and one["tasks"] == 3
+    assert one["ci95"] == pytest.approx(list(wilson_interval(5, 6)))
+    assert one["per_seed_success"] == pytest.approx([1.0, 2 / 3])
+    assert one["vs_base_mcnemar_p"] == pytest.approx([0.25, 0.5])
+    # "2-3" (tasks 3, 4; base [1, 0]): seed 0 [1, 0] = the base (no discordant pair: p 1); seed 1 [0, 1]:
+    # b=1, c=1 -> p 1
+    two = got["2-3"]
+    assert two["success"] == 0.5 and two["tasks"] == 2 and two["per_seed_success"] == [0.5, 0.5]
+    assert two["ci95"] == pytest.approx(list(wilson_interval(2, 4)))
+    assert two["vs_base_mcnemar_p"] == [1.0, 1.0]
+    # "4-6" (task 5): 0 and 1 -> 1 of 2; "7+" (task 6): 0 of 2
+    assert got["4-6"]["success"] == 0.5 and got["4-6"]["per_seed_success"] == [0.0, 1.0]
+    assert got["4-6"]["ci95"] == pytest.approx(list(wilson_interval(1, 2)))
+    assert got["7+"]["success"] == 0.0 and got["7+"]["ci95"] == pytest.approx(list(wilson_interval(0, 2)))
+    # the base better on two tasks, the seed on none: b=0, c=2 -> 2 * 0.5^2 = 0.5
+    assert bucket_stats([[0, 0, 0]], [1, 1, 1], [1, 1, 0])["1"]["vs_base_mcnemar_p"] == pytest.approx([0.5])
+    # without a base: no McNemar; one seed is a proportion over the bucket's tasks
+    base_only = bucket_stats([BASE], LABELS)
+    assert "vs_base_mcnemar_p" not in base_only["1"]
+    assert {k: c["success"] for k, c in base_only.items()} == {"1": 0.0, "2-3": 0.5, "4-6": 0.0, "7+": 0.0}
+    assert bucket_stats([[1, 0]], [None, None]) == {}
+
+
+def test_bucket_stats_errors():
+    from core.study import bucket_stats
+
+    with pytest.raises(ValueError, match="no seeds"):
+        bucket_stats([], LABELS)
+    with pytest.raises(ValueError, match="8 task labels differ in length"):
+        bucket_stats([SEEDS[0], SEEDS[1][:7]], LABELS)
+    with pytest.raises(ValueError, match="8 task labels differ in length"):
+        bucket_stats(SEEDS, LABELS, BASE[:7])
+
+
+# --- stability diagnostics ------------------------------------------------------------------------------------
+def test_phase_means_skip_missing_and_nan_and_order_phases():
+    from core.study import phase_means
+
+    nan = float("nan")
+    records = [{"global_step": 3, "phase": 2, "a": 5.0},
+               {"global_step": 1, "phase": 1, "a": 1.0, "b": nan},
+               {"global_step": 2, "phase": 1, "a": 3.0, "b": 2.0, "c": 9.0},
+               {"global_step": 4, "phase": None, "a": 100.0},  # no phase: not counted
+               {"global_step": 5, "a": 100.0},
+               {"global_step": 6, "phase": 10, "a": True, "b": 4}]  # a bool is not a number
+    got = phase_means(records, ("a", "b"))
+    # phase 1: a = (1 + 3) / 2, b = 2 (the NaN step left out); phase 2: a only; phase 10: b only
+    assert got == {"phase-1": {"a": 2.0, "b": 2.0}, "phase-2": {"a": 5.0}, "phase-10": {"b": 4.0}}
+    assert list(got) == ["phase-1", "phase-2", "phase-10"]  # numeric phase order, not text or record order
+    assert phase_means([], ("a",)) == {}
+
+
+def test_mean_of_dicts_weights_and_missing_values():
+    from core.study import mean_of_dicts
+
+    nan = float("nan")
+    parts = [({"phase-1": {"a": 1.0, "b": 2.0}, "phase-2": {"a": 4.0}}, 1.0),
+             ({"phase-1": {"a": 4.0}, "phase-2": {"a": nan}, "phase-3": {"a": 6.0}, "phase-4": {"a": nan}}, 2.0)]
+    got = mean_of_dicts(parts)
+    # phase-1 a: (1 * 1 + 2 * 4) / 3 = 3; b: only the first part; phase-2 a: the NaN is left out;
+    # phase-4: no number at all -> no group
+    assert got == {"phase-1": {"a": 3.0, "b": 2.0}, "phase-2": {"a": 4.0}, "phase-3": {"a": 6.0}}
+    assert list(got) == ["phase-1", "phase-2", "phase-3"]
+    assert mean_of_dicts([({"p": {"x": 1.0}}, 1.0), ({"p": {"x": 2.0}}, 1.0)]) == {"p": {"x": 1.5}}
+    assert mean_of_dicts([]) == {}
