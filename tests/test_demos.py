@@ -263,7 +263,7 @@ def test_warmstart_refuses_zero_successful_demos(tmp_path):
     assert not (tmp_path / "w").exists()
 
 
-@pytest.mark.slow  # not in CI: SmolLM2 SFT + eval + run (~5 min); the warm-start maths is the default tier's
+@pytest.mark.slow  # not in CI: SmolLM2 SFT + eval + run (minutes); the warm-start maths is the default tier's
 def test_warmstart_textcraft_then_eval_and_run_load_it(tmp_path):
     out = tmp_path / "warm"
     r = _cli("warmstart", "textcraft", "--preset", "easy", "--demos", "4", "--epochs", "1", "--lr", "1e-5",
@@ -327,7 +327,7 @@ def test_study_records_and_checks_its_starting_model(tmp_path, monkeypatch):
     assert study.evaluate(a, "smollm2-135m", "base", [2], None, 32)["models"]["model"]["ref"] == "smollm2-135m"
 
 
-@pytest.mark.slow  # not in CI: SmolLM2 warm start then a study arm (~6 min); the study command is in CI
+@pytest.mark.slow  # not in CI: SmolLM2 warm start then a study arm (minutes); the study command is in CI
 def test_learning_study_with_a_warm_start_toy(tmp_path):
     """The study's one-command form at toy size: the warm start is made, the base row scores it, the arm trains
     from it, the report says so; a second invocation reuses all of it."""

@@ -263,7 +263,7 @@ def _memory_mb(pid: int) -> tuple[float, float | None]:
     return rss / 2**20, (pss / 2**20 if kids else None)
 
 
-@pytest.mark.slow  # not in CI: 2,000 episodes per env (~10 min); a soak test, not a promise a change can break
+@pytest.mark.slow  # not in CI: 2,000 episodes per env (many minutes); a soak test, not a promise a change can break
 def test_rss_stays_flat_over_2000_episodes(server):
     """2,000 create/reset/step/close cycles: the server's RSS stays within RSS_BOUND_MB of its post-warm-up value,
     and its children's memory (PSS) does not trend up by TREE_TREND_BOUND_MB."""
