@@ -371,7 +371,7 @@ def test_a_phase_killed_before_registration_is_finished_by_the_resume(tmp_path, 
     run = client.get_run(child)
     assert run.info.status == "FINISHED"
     assert run.data.tags["scalinginter.final_checkpoint"] == plan.final_uri
-    versions = client.search_model_versions("name='scalinginter-toy'")
+    versions = client.search_model_versions("name='scalinginter-babyai'")
     assert [(v.tags["phase"], v.tags["scalinginter.checkpoint_uri"], v.tags["global_step"]) for v in versions] == [
         ("2", plan.final_uri, "2")]
     assert len(published) == 2

@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from core import trajview as V
+from core.metrics import DIAGNOSTICS
 from core.trajectory import Trajectory
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -340,7 +341,10 @@ def test_browser_run_step_episode_tokens(trained, viewer, tmp_path):
             page.goto(viewer + "/")
             page.click("a.run-link:text-is('viewed')")
             page.wait_for_url("**/runs/viewed")
-            assert page.locator("svg.chart").count() == 3
+            # train success, reward, turns; then the stability diagnostics: policy entropy and the 6 of
+            # core.metrics.DIAGNOSTICS (the run's metrics.jsonl has them all)
+            assert page.locator("svg.chart").count() == 3 + 1 + len(DIAGNOSTICS)
+            assert page.locator("h2", has_text="Stability diagnostics").count() == 1
             page.click("a.step-link[href='/runs/viewed/steps/2']")
             page.wait_for_url("**/runs/viewed/steps/2")
             assert page.locator("a.episode-link").count() == len(stored)
