@@ -102,10 +102,20 @@ def run_cli(out: Path, model: Path, kill_at: str | None = None) -> tuple[int, st
             p.kill()
             p.wait()
             raise
-    left, deadline = _descendants(p.pid), time.monotonic() + 20  # env servers poll their parent every second
-    while left and time.monotonic() < deadline:
+
+    def env_server(q: psutil.Process) -> bool:
+        try:
+            return "envs.server" in " ".join(q.cmdline())
+        except psutil.Error:
+            return False
+
+    # env servers poll their parent every second and must stop by themselves: wait up to 20 s for them (not for
+    # the other leftovers, which nothing stops)
+    left, deadline = _descendants(p.pid), time.monotonic() + 20
+    while any(env_server(q) for q in left) and time.monotonic() < deadline:
         time.sleep(0.5)
         left = [q for q in left if _alive(q)]
+    left = [q for q in left if _alive(q)]
     names = []
     for q in left:  # ours: do not leave them to the machine
         try:

@@ -260,6 +260,8 @@ def test_train_arm_command_gives_the_arm_its_curriculum_and_overrides(tmp_path, 
 
 @pytest.mark.slow
 def test_learning_study_toy(tmp_path):
+    """The default study (three arms, the tiny preset) with the real SmolLM2. Not in CI (~4.5 min): CI runs the
+    multistep toy test below, the same command and resume on a tiny model with all four arms."""
     out, res = tmp_path / "runs", tmp_path / "results"
     cmd = [sys.executable, str(ROOT / "bench" / "learning_study.py"), "--env", "babyai", "--preset", "tiny",
            "--seeds", "1", "--eval-n", "2", "--budgets", "1,2", "--output-dir", str(out), "--results", str(res),
@@ -352,3 +354,7 @@ def test_learning_study_multistep_toy(tmp_path, toy_policy):
     for c in rep["comparisons"].values():
         assert set(c["budgets"]) == {"1", "2"}
         assert set(c["budgets"]["2"]["buckets"]) == set(rep["base"]["buckets"]["2"])
+    assert all(not (out / "checkpoints" / f"study-babyai-{arm}-s0").exists() for arm in arms)  # scored, deleted
+    # a second invocation resumes: nothing is trained or scored again
+    p2 = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert p2.returncode == 0 and "training study-" not in p2.stdout and "evaluating " not in p2.stdout

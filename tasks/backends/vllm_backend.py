@@ -43,6 +43,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -124,6 +125,30 @@ def _check_in_process() -> None:
     if dist.is_available() and dist.is_initialized():
         raise ValueError("rollout.vllm_in_process needs a process without torch.distributed (the engine's worker "
                          "sets up its own group): use the torch learner on one rank, or vllm_in_process=false")
+
+
+class _bound_flask_proxies:
+    """While an in-process engine starts, bind Flask's context proxies (``current_app``, ``request``, ``g``,
+    ``session``) if Flask is loaded in this process (moto's S3 server, MLflow's server, a notebook's app).
+
+    vLLM's CPU worker rebinds its kernels by scanning the attributes of every loaded module with ``hasattr``;
+    an unbound werkzeug proxy raises RuntimeError ("Working outside of application context") there, not
+    AttributeError, and the engine fails to start. A throwaway app's request context makes them answer."""
+
+    def __init__(self, active: bool) -> None:
+        self._ctx = None
+        if active and "flask" in sys.modules:
+            import flask
+
+            self._ctx = flask.Flask("scalinginter-vllm-start").test_request_context()
+
+    def __enter__(self) -> None:
+        if self._ctx is not None:
+            self._ctx.push()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._ctx is not None:
+            self._ctx.pop()
 
 
 def _uncache_vllm_envs() -> None:
@@ -338,7 +363,8 @@ class VLLMBackend:
                     kwargs["enable_sleep_mode"] = True
             from tasks.console import engine_log_path, redirect_fds
 
-            with redirect_fds(engine_log_path()):  # the engine processes inherit these fds: their output -> run log
+            with redirect_fds(engine_log_path()), _bound_flask_proxies(self.in_process):
+                # the engine processes inherit these fds: their output -> run log
                 self._llm = LLM(**kwargs)
         finally:
             for k, v in saved.items():
