@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import subprocess
@@ -82,7 +81,9 @@ from core.study import (  # noqa: E402
     bucket_stats,
     comparison_pairs,
     curve_over_seeds,
+    finite_number,
     mean_of_dicts,
+    paired_mcnemar,
     parse_arms,
     phase_means,
     pooled_successes,
@@ -370,10 +371,6 @@ def task_labels(doc: dict[str, Any], budget: int | None = None, model: str = "mo
     return labels if any(x is not None for x in labels) else None
 
 
-def _finite(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
-
-
 def _bands(curves: list[dict[int, float]]) -> dict[int, dict[str, Any]]:
     return {s: vars(b) for s, b in curve_over_seeds(curves).items()}
 
@@ -381,7 +378,7 @@ def _bands(curves: list[dict[int, float]]) -> dict[int, dict[str, Any]]:
 def build_report(a: argparse.Namespace, arms: list[str], phases: list[dict], budgets: list[int],
                  base: dict[str, Any], runs: list[dict[str, Any]], wall: float) -> dict[str, Any]:
     from core.evalreport import flat_metrics
-    from core.stats import mcnemar_exact, wilson_interval
+    from core.stats import wilson_interval
 
     big = max(budgets)
     task_ids = base["task_ids"]
@@ -402,8 +399,7 @@ def build_report(a: argparse.Namespace, arms: list[str], phases: list[dict], bud
         n = len(pooled)
         k = sum(sum(p) for p in per_seed)
         lo, hi = wilson_interval(int(round(k)), n * len(per_seed))
-        vs_base = [mcnemar_exact(sum(1 for x, y in zip(base_s, s) if y > x), sum(1 for x, y in zip(base_s, s) if x > y))
-                   for s in per_seed]
+        vs_base = [paired_mcnemar(s, base_s) for s in per_seed]
         # held-out curve: the base at step 0, each phase final (eval.each_phase), the final at the last step
         curves = [{0: sum(base_s) / n,
                    **{s: flat_metrics(e)["success_rate"] for s, e in r["heldout_by_step"].items()},
@@ -429,7 +425,7 @@ def build_report(a: argparse.Namespace, arms: list[str], phases: list[dict], bud
             # stability diagnostics: per phase the mean over its steps, then over seeds; per step, a band over seeds
             "diagnostics": mean_of_dicts([(phase_means(r["step_records"], PHASE_KEYS), 1.0) for r in rs]),
             "diag_curves": {key: c for key in DIAG_KEYS if (c := _bands(
-                [{int(x["global_step"]): float(x[key]) for x in r["step_records"] if _finite(x.get(key))}
+                [{int(x["global_step"]): v for x in r["step_records"] if (v := finite_number(x.get(key))) is not None}
                  for r in rs]))},
         }
         if labels:

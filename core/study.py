@@ -114,6 +114,14 @@ def pooled_successes(per_seed: list[list[float]]) -> list[float]:
     return [statistics.fmean(p[i] for p in per_seed) for i in range(n)]
 
 
+def paired_mcnemar(x: list[float], y: list[float]) -> float:
+    """Exact two-sided McNemar p of per-task outcomes ``x`` against ``y`` on the same tasks (discordant pairs:
+    tasks where one scores higher than the other)."""
+    if len(x) != len(y):
+        raise ValueError(f"{len(x)} vs {len(y)} task scores: a paired test needs the same tasks")
+    return mcnemar_exact(sum(1 for a, b in zip(x, y) if a > b), sum(1 for a, b in zip(x, y) if b > a))
+
+
 # --- results by required turns -----------------------------------------------------------------------------
 def bucket_indices(labels: list[int | None]) -> dict[str, list[int]]:
     """Positions of the labelled tasks per required-turns bucket, in bucket order (``labels``: the fewest turns
@@ -151,15 +159,15 @@ def bucket_stats(per_seed: list[list[float]], labels: list[int | None],
         cell: dict[str, Any] = {"success": wins / (n * len(per_seed)), "ci95": [lo, hi], "tasks": n,
                                 "per_seed_success": [sum(s[i] for i in idx) / n for s in per_seed]}
         if base is not None:
-            cell["vs_base_mcnemar_p"] = [
-                mcnemar_exact(sum(1 for i in idx if s[i] > base[i]), sum(1 for i in idx if base[i] > s[i]))
-                for s in per_seed]
+            cell["vs_base_mcnemar_p"] = [paired_mcnemar([s[i] for i in idx], [base[i] for i in idx])
+                                         for s in per_seed]
         out[k] = cell
     return out
 
 
 # --- stability diagnostics ---------------------------------------------------------------------------------
-def _number(v: Any) -> float | None:
+def finite_number(v: Any) -> float | None:
+    """``v`` as a float where it is a number and not NaN (a bool is not a number here), else None."""
     if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
         return None
     return float(v)
@@ -176,7 +184,7 @@ def phase_means(records: list[dict[str, Any]], keys: Iterable[str]) -> dict[str,
             continue
         row = vals.setdefault(int(r["phase"]), {})
         for k in keys:
-            v = _number(r.get(k))
+            v = finite_number(r.get(k))
             if v is not None:
                 row.setdefault(k, []).append(v)
     return {f"phase-{p}": {k: statistics.fmean(v) for k, v in vals[p].items()} for p in sorted(vals)}
@@ -190,7 +198,7 @@ def mean_of_dicts(parts: list[tuple[dict[str, dict[str, float]], float]]) -> dic
     for d, w in parts:
         for g, row in d.items():
             for k, v in row.items():
-                if _number(v) is not None:
+                if finite_number(v) is not None:
                     a = acc.setdefault(g, {}).setdefault(k, [0.0, 0.0])
                     a[0] += w * float(v)
                     a[1] += w

@@ -13,15 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = '[{"turn_limit": 1, "steps": 3}, {"turn_limit": 2, "steps": 2}]'
-
-
-@pytest.fixture(scope="module")
-def tiny_model(toy_policy):
-    """The session's tiny Llama that writes toy actions (tests/toypolicy.py)."""
-    return toy_policy
 
 
 def cli(out, model, name, *extra, fault_after: int | None = None):
@@ -46,12 +39,12 @@ def steps_logged(out, name):
             map(json.loads, (out / name / "metrics.jsonl").read_text().splitlines())]
 
 
-def test_ppo_gated_run_killed_and_resumed_ends_like_an_uninterrupted_one(tmp_path, tiny_model):
-    p = cli(tmp_path, tiny_model, "cut", fault_after=1)
+def test_ppo_gated_run_killed_and_resumed_ends_like_an_uninterrupted_one(tmp_path, toy_policy):
+    p = cli(tmp_path, toy_policy, "cut", fault_after=1)
     assert p.returncode != 0 and "fault injection" in (p.stdout + p.stderr)
     assert steps_logged(tmp_path, "cut") == [(1, 1)]
 
-    p = cli(tmp_path, tiny_model, "cut")
+    p = cli(tmp_path, toy_policy, "cut")
     log = p.stdout + p.stderr
     assert p.returncode == 0, log[-3000:]
     assert "phase 1: resuming after step 1/3" in log
@@ -77,13 +70,13 @@ def test_ppo_gated_run_killed_and_resumed_ends_like_an_uninterrupted_one(tmp_pat
     assert phase1 and phase1[0].data.tags["scalinginter.phase_1.end"] == f"{s1['gate_reason']} at step {len(p1)}"
     assert phase1[0].data.metrics["train/critic_grad_norm"] > 0
 
-    p = cli(tmp_path, tiny_model, "whole")
+    p = cli(tmp_path, toy_policy, "whole")
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     assert steps_logged(tmp_path, "whole") == steps_logged(tmp_path, "cut")
     wa = load_file(ck / "phase-2" / "final" / "model.safetensors")
     wb = load_file(tmp_path / "checkpoints" / "whole" / "phase-2" / "final" / "model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    w0 = load_file(Path(tiny_model) / "model.safetensors")
+    w0 = load_file(Path(toy_policy) / "model.safetensors")
     assert any(not torch.equal(wa[k], w0[k]) for k in wa if k in w0)  # training moved them
     ca = torch.load(ck / "phase-2" / "final" / "critic" / "model.pt")
     cb = torch.load(tmp_path / "checkpoints" / "whole" / "phase-2" / "final" / "critic" / "model.pt")

@@ -39,14 +39,11 @@ import torch
 from safetensors.torch import load_file
 
 from tasks.killpoint import KILL_ENV
+from tests.toypolicy import toy_run_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "run"
-PHASES = '[{"turn_limit": 1, "steps": 1}, {"turn_limit": 2, "steps": 2}]'
-SETS = ["rollout.backend=transformers", f"curriculum.phases={PHASES}", "rollout.tasks_per_step=2",
-        "rollout.samples_per_task=4", "rollout.max_new_tokens=8", "rollout.token_budget=512", "env.task_pool=1000",
-        "algo.lr=1e-3", "eval.before=false", "eval.after=false", "checkpoint.every_n_steps=1",
-        "tracking.log_trajectories=2"]
+SETS = ["rollout.samples_per_task=4", "algo.lr=1e-3", "checkpoint.every_n_steps=1", "tracking.log_trajectories=2"]
 TIMED = ("time", "idle")  # in a key, or a "_s" ending: it measures wall time, the only values allowed to differ
 
 # kill point -> global steps recorded in metrics.jsonl when the process died (proves where it died)
@@ -84,10 +81,7 @@ def run_cli(out: Path, model: Path, kill_at: str | None = None) -> tuple[int, st
     """(return code, console output, env servers it left behind after 20 s) of one run. Whatever it left is killed
     here; other leftovers are printed: Prefect's ephemeral API server (a uvicorn child of the trainer) does not
     watch its parent, so a SIGKILLed trainer leaves it running (flows/cli.py would have to stop it)."""
-    exe = Path(sys.executable).with_name("scalinginter")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "flows.cli"]
-    cmd += ["run", "toy", "--run-name", NAME] + [a for x in SETS + [f"model.path={model}", f"output_dir={out}"]
-                                                 for a in ("--set", x)]
+    cmd = toy_run_cmd(out, model, NAME, SETS)
     env = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300", **os.environ, "PYTHONPATH": str(ROOT)}
     for k in (KILL_ENV, "SCALINGINTER_FAULT_AFTER_STEP", "MLFLOW_TRACKING_URI"):
         env.pop(k, None)
@@ -112,9 +106,8 @@ def run_cli(out: Path, model: Path, kill_at: str | None = None) -> tuple[int, st
     # env servers poll their parent every second and must stop by themselves: wait up to 20 s for them (not for
     # the other leftovers, which nothing stops)
     left, deadline = _descendants(p.pid), time.monotonic() + 20
-    while any(env_server(q) for q in left) and time.monotonic() < deadline:
+    while any(env_server(q) and _alive(q) for q in left) and time.monotonic() < deadline:
         time.sleep(0.5)
-        left = [q for q in left if _alive(q)]
     left = [q for q in left if _alive(q)]
     names = []
     for q in left:  # ours: do not leave them to the machine

@@ -6,7 +6,6 @@ run then costs about its process start-up."""
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -14,18 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.toypolicy import toy_run_cmd
+
 ROOT = Path(__file__).resolve().parents[1]
-PHASES = '[{"turn_limit": 1, "steps": 1}, {"turn_limit": 2, "steps": 2}]'
-SETS = ["rollout.backend=transformers", f"curriculum.phases={PHASES}", "rollout.tasks_per_step=2",
-        "rollout.samples_per_task=4", "rollout.max_new_tokens=8", "rollout.token_budget=512", "env.task_pool=1000",
-        "algo.lr=1e-3", "eval.before=false", "eval.after=false", "tracking.log_trajectories=0"]
+SETS = ["rollout.samples_per_task=4", "algo.lr=1e-3", "tracking.log_trajectories=0"]
 
 
 def cli(out, model, name, *extra, fault_after: int | None = None):
-    exe = Path(sys.executable).with_name("scalinginter")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "flows.cli"]
-    cmd += ["run", "toy", "--run-name", name] + [a for x in SETS + [f"model.path={model}", f"output_dir={out}"]
-                                               for a in ("--set", x)] + list(extra)
+    cmd = toy_run_cmd(out, model, name, SETS) + list(extra)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("SCALINGINTER_FAULT_AFTER_STEP", None)
     if fault_after is not None:  # the test-only fault hook (not a config key)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tasks import checkpoint_store as cs
+from tests.toypolicy import toy_run_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 MB = 1024 * 1024
@@ -114,14 +115,8 @@ def test_credentials_from_a_prefect_block(aws_env, monkeypatch, tmp_path):
 
 def cli(out, model, name, env, *extra):
     """The toy env and a tiny policy (tests/toypolicy.py): the S3 checkpoint path is the point, not the model."""
-    exe = Path(sys.executable).with_name("scalinginter")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "flows.cli"]
-    phases = '[{"turn_limit": 1, "steps": 1}, {"turn_limit": 2, "steps": 2}]'
-    sets = [f"model.path={model}", "rollout.backend=transformers", f"curriculum.phases={phases}",
-            "rollout.tasks_per_step=2", "rollout.samples_per_task=2", "rollout.max_new_tokens=8",
-            "rollout.token_budget=512", "env.task_pool=1000", "eval.before=false", "eval.after=false",
-            "tracking.log_trajectories=0", f"output_dir={out}"]
-    cmd += ["run", "toy", "--run-name", name] + [a for x in sets for a in ("--set", x)] + list(extra)
+    cmd = toy_run_cmd(out, model, name, ["rollout.samples_per_task=2", "tracking.log_trajectories=0"])
+    cmd += list(extra)
     return subprocess.run(cmd, cwd=out, env={**os.environ, **env, "PYTHONPATH": str(ROOT)}, capture_output=True,
                           text=True, timeout=900)
 

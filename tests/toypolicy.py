@@ -9,7 +9,25 @@ MLflow, kill points), nothing is lost by not using SmolLM2 itself. Head size 32 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+
+# The runs of the crash and resume tests: the toy env, this policy, transformers, phases 1 x turn limit 1 then
+# 2 x turn limit 2 (global steps 1, 2, 3), two tasks per step, no held-out evaluation; each test adds its own
+# settings (samples per task, learning rate, checkpoint cadence, trajectories, the checkpoint root or engine).
+TOY_PHASES = '[{"turn_limit": 1, "steps": 1}, {"turn_limit": 2, "steps": 2}]'
+TOY_RUN_SETS = ("rollout.backend=transformers", f"curriculum.phases={TOY_PHASES}", "rollout.tasks_per_step=2",
+                "rollout.max_new_tokens=8", "rollout.token_budget=512", "env.task_pool=1000", "eval.before=false",
+                "eval.after=false")
+
+
+def toy_run_cmd(out: Path, model: Path, name: str, sets: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """``scalinginter run toy --run-name NAME`` with TOY_RUN_SETS, then ``sets``, the model and the output dir
+    (as ``--set`` pairs; later ones win)."""
+    exe = Path(sys.executable).with_name("scalinginter")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "flows.cli"]
+    return cmd + ["run", "toy", "--run-name", name] + [
+        a for x in (*TOY_RUN_SETS, *sets, f"model.path={model}", f"output_dir={out}") for a in ("--set", x)]
 
 
 def warm_start(model, tok, steps: int = 80) -> None:

@@ -47,10 +47,10 @@ import sys
 import tempfile
 import threading
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from tasks.backends.generation import Generation, SamplingParams
 from tasks.backends.hardware import resolve_vllm_dtype
@@ -127,28 +127,21 @@ def _check_in_process() -> None:
                          "sets up its own group): use the torch learner on one rank, or vllm_in_process=false")
 
 
-class _bound_flask_proxies:
+@contextmanager
+def _bound_flask_proxies(active: bool) -> Iterator[None]:
     """While an in-process engine starts, bind Flask's context proxies (``current_app``, ``request``, ``g``,
     ``session``) if Flask is loaded in this process (moto's S3 server, MLflow's server, a notebook's app).
 
     vLLM's CPU worker rebinds its kernels by scanning the attributes of every loaded module with ``hasattr``;
     an unbound werkzeug proxy raises RuntimeError ("Working outside of application context") there, not
     AttributeError, and the engine fails to start. A throwaway app's request context makes them answer."""
+    if not (active and "flask" in sys.modules):
+        yield
+        return
+    import flask
 
-    def __init__(self, active: bool) -> None:
-        self._ctx = None
-        if active and "flask" in sys.modules:
-            import flask
-
-            self._ctx = flask.Flask("scalinginter-vllm-start").test_request_context()
-
-    def __enter__(self) -> None:
-        if self._ctx is not None:
-            self._ctx.push()
-
-    def __exit__(self, *exc: object) -> None:
-        if self._ctx is not None:
-            self._ctx.pop()
+    with flask.Flask("scalinginter-vllm-start").test_request_context():
+        yield
 
 
 def _uncache_vllm_envs() -> None:
