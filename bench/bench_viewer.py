@@ -76,7 +76,7 @@ def main() -> None:
     import httpx
     import uvicorn
 
-    from flows.viewer import create_app
+    from flows.viewer.app import create_app
 
     root = Path(tempfile.mkdtemp(prefix="bench-viewer-"))
     try:

@@ -183,7 +183,7 @@ def turn_observations(traj: Trajectory) -> list[str]:
     if first is None or len(obs) < traj.turns - 1:
         raise ValueError(f"trajectory of task {traj.task_id} has {traj.turns} turns but "
                          f"{'no' if first is None else 'a'} first observation and {len(obs)} observations in its info: "
-                         "the observation each turn acted on is needed (tasks.rollout records info['first_observation'] "
+                         "the observation each turn acted on is needed (runtime.rollout records info['first_observation'] "
                          "and info['observations'])")
     return [str(first)] + [str(o) for o in obs[: traj.turns - 1]]
 

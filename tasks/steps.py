@@ -5,7 +5,7 @@ Only live handles (the learner's models, the generation engine, env server proce
 ``rollout_batch`` returns the step's ``Batch``, ``compute_advantages(key, batch)`` returns its ``Advantages``
 (with the learner's prepared log-probs), ``policy_update(key, batch, adv)`` takes both (in-process Prefect
 results with persistence off carry Python objects). Step checkpoints are written to local disk or S3 via
-``tasks.checkpoint_store``.
+``storage.checkpoint_store``.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from core.config import RunConfig
 from core.metrics import episode_metrics
 from core.trajectory import Trajectory, join_rows, split_rows, turn_samples
 from envs.base import task_index
-from tasks.killpoint import kill_point
-from tasks.timing import timed
+from runtime.killpoint import kill_point
+from runtime.timing import timed
 
 TASK_OPTS = dict(cache_policy=NO_CACHE, persist_result=False)
 
@@ -70,7 +70,7 @@ class Advantages:
     stats: dict[str, float]
 
 
-PROGRESS_EVERY_S = 15.0  # rollout progress: the first turn's line, later turns' at most this often (none once all ended)
+PROGRESS_LINE_EVERY_S = 15.0  # rollout progress: the first turn's line, later turns' at most this often (none once all ended)
 
 _SESSIONS: dict[str, Session] = {}
 
@@ -131,9 +131,9 @@ def open_session(cfg: RunConfig, model_dir: str, train: bool, reference_dir: str
     """Load models into a new in-process session. ``model_dir`` is a local HF folder."""
     import torch
 
-    from tasks.backends.generation import TransformersBackend
-    from tasks.backends.hardware import resolve_bf16
-    from tasks.backends.learner import LearnerConfig, TorchLearner, load_causal_lm
+    from runtime.backends.generation import TransformersBackend
+    from runtime.backends.hardware import resolve_bf16
+    from runtime.backends.learner import LearnerConfig, TorchLearner, load_causal_lm
 
     _threads(cfg)
     torch.manual_seed(cfg.seed)
@@ -151,7 +151,7 @@ def open_session(cfg: RunConfig, model_dir: str, train: bool, reference_dir: str
                            critic_path=local_critic_path(a.critic.model), critic_lr=a.critic.lr or 1e-5,
                            value_clip=a.critic.value_clip, share_prefix=a.share_prefix, device=cfg.model.device)
         if cfg.learner.engine == "deepspeed":
-            from tasks.backends.deepspeed_learner import make_learner
+            from runtime.backends.deepspeed_learner import make_learner
 
             s.learner = make_learner(model_dir, lc, reference_dir, cfg.learner)
         else:
@@ -162,14 +162,14 @@ def open_session(cfg: RunConfig, model_dir: str, train: bool, reference_dir: str
 
         s.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         if cfg.rollout.backend == "transformers":
-            from tasks.backends.hardware import resolve_device
+            from runtime.backends.hardware import resolve_device
 
             s.model = load_causal_lm(model_dir, resolve_device(cfg.model.device))
             s.model.eval()
     pad = s.tokenizer.pad_token_id if s.tokenizer.pad_token_id is not None else s.tokenizer.eos_token_id
     s.chat = ChatFormat.from_tokenizer(s.tokenizer, cfg.env.prompt)
     if cfg.rollout.backend == "vllm":  # the process's kept engine (this session's weights loaded) or a new one
-        from tasks.backends.vllm_backend import backend_for
+        from runtime.backends.vllm_backend import backend_for
 
         s.backend = backend_for(cfg, model_dir, s.tokenizer, s.learner)
     else:
@@ -190,7 +190,7 @@ def close_session(key: str) -> None:
         except Exception:  # noqa: BLE001
             pass
     if s.backend is not None and s.cfg.rollout.backend == "vllm":  # kept for the next session in a keep_engines scope
-        from tasks.backends.vllm_backend import release_backend
+        from runtime.backends.vllm_backend import release_backend
 
         try:
             release_backend(s.backend)
@@ -240,9 +240,9 @@ def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, tur
              seed: int | None = None, specs: list[Any] | None = None,
              after_turn: Callable[[int], None] | None = None) -> tuple[list[Trajectory], dict[str, float]]:
     from envs.agentgym import make_async_client
-    from tasks.backends.generation import SamplingParams
-    from tasks.env_sessions import PooledEpisode, ServerSlots
-    from tasks.rollout import RolloutRequest, RolloutRuntime, rollout
+    from runtime.backends.generation import SamplingParams
+    from runtime.env_sessions import PooledEpisode, ServerSlots
+    from runtime.rollout import RolloutRequest, RolloutRuntime, rollout
 
     params = SamplingParams(max_new_tokens, temperature, s.cfg.rollout.top_p)
     if specs is None:
@@ -278,11 +278,11 @@ def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, tur
 
             last_print = [time.monotonic()]
 
-            def on_round(rnd, live, st):  # the console stays short: see PROGRESS_EVERY_S
+            def on_round(rnd, live, st):  # the console stays short: see PROGRESS_LINE_EVERY_S
                 if after_turn is not None:
                     after_turn(rnd)
                 now = time.monotonic()
-                if rnd > 1 and (live == 0 or now - last_print[0] < PROGRESS_EVERY_S):
+                if rnd > 1 and (live == 0 or now - last_print[0] < PROGRESS_LINE_EVERY_S):
                     return
                 last_print[0] = now
                 # episodes, not turns: with a live cap (or per-episode async turns) the rounds outnumber the turn limit
@@ -314,7 +314,7 @@ def rollout_batch(key: str, urls: list[str], global_step: int, turn_limit: int) 
     tasks = train_tasks_for_step(s.cfg, global_step)
     reported: list[int] = []
 
-    def after_turn(rnd: int) -> None:  # test hook (tasks.killpoint): one arrival per step, at its first progress report
+    def after_turn(rnd: int) -> None:  # test hook (runtime.killpoint): one arrival per step, at its first progress report
         if not reported:
             reported.append(rnd)
             kill_point("rollout")
@@ -332,7 +332,7 @@ def rollout_batch(key: str, urls: list[str], global_step: int, turn_limit: int) 
 def local_critic_path(ref: str | None) -> str | None:
     if ref is None:
         return None
-    from tasks.backends.model import resolve_model
+    from runtime.backends.model import resolve_model
 
     return resolve_model(ref)
 
@@ -386,7 +386,7 @@ def policy_update(key: str, batch: Batch, adv: Advantages) -> dict[str, float]:
         s.backend.sleep()
     out = s.learner.update(samples, split_rows(adv.advantages, where), prepared=adv.prepared,
                            returns=None if adv.returns is None else split_rows(adv.returns, where))
-    kill_point("update")  # test hook (tasks.killpoint): a no-op unless $SCALINGINTER_KILL_AT names it
+    kill_point("update")  # test hook (runtime.killpoint): a no-op unless $SCALINGINTER_KILL_AT names it
     adv.prepared = None  # the old/ref log-probs of this batch are spent; free them before the next rollout
     with timed("weight_sync"):
         s.backend.sync_weights()  # a separate generation engine (vLLM) reloads the new weights; no-op otherwise
@@ -436,7 +436,7 @@ def evaluate_sweep(key: str, urls: list[str], task_ids: list[int], turn_limits: 
     With ``episodes_path`` the episodes are also written there as a rollout Parquet (phase 0; the viewer)."""
     import torch
 
-    from tasks.rollout import EpisodeSpec
+    from runtime.rollout import EpisodeSpec
 
     s = get_session(key)
     specs = [EpisodeSpec(task_id=t, group_id=g, turn_limit=b, seed_key=t * MAX_EVAL_SAMPLES + k)
@@ -472,7 +472,7 @@ def score_sweep(cfg: RunConfig, model_dir: str, task_ids: list[int], turn_limits
 @task(name="checkpoint", retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
 @timed("checkpoint")
 def save_step_checkpoint(key: str, uri: str, trainer_state: dict[str, Any], latest_of: str | None = None) -> str:
-    from tasks.checkpoint_store import save_checkpoint, write_latest
+    from storage.checkpoint_store import save_checkpoint, write_latest
 
     s = get_session(key)
     tmp = Path(tempfile.mkdtemp(prefix="ckpt-"))

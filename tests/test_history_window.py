@@ -10,9 +10,9 @@ import pytest
 from core.chat import ChatFormat
 from core.trajectory import Trajectory, join_rows, segment_bounds, split_rows, turn_samples
 from envs.toy import ToyEnv
-from tasks.backends.generation import SamplingParams
-from tasks.env_sessions import LocalEpisode
-from tasks.rollout import EpisodeSpec, RolloutRequest, RolloutRuntime, episode_seed, rollout
+from runtime.backends.generation import SamplingParams
+from runtime.env_sessions import LocalEpisode
+from runtime.rollout import EpisodeSpec, RolloutRequest, RolloutRuntime, episode_seed, rollout
 from tests.test_async_rollout import FakeEngine
 
 
@@ -20,7 +20,7 @@ from tests.test_async_rollout import FakeEngine
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from tasks.backends.model import resolve_model
+    from runtime.backends.model import resolve_model
 
     return AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
 

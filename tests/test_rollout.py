@@ -7,16 +7,16 @@ import pytest
 
 from core.chat import ChatFormat
 from envs.toy import ToyEnv
-from tasks.backends.generation import Generation, SamplingParams
-from tasks.env_sessions import LocalEpisode
-from tasks.rollout import EpisodeSpec, run_rollout
+from runtime.backends.generation import Generation, SamplingParams
+from runtime.env_sessions import LocalEpisode
+from runtime.rollout import EpisodeSpec, run_rollout
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from tasks.backends.model import resolve_model
+    from runtime.backends.model import resolve_model
 
     return AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
 
@@ -121,7 +121,7 @@ def test_http_rollout_masks_episodes_of_a_dead_server_then_restart_recovers(toke
     """Real env server process: killed -> episodes masked (never scored 0); restarted -> episodes run."""
     from envs.client import AsyncEnvClient
     from envs.spawn import EnvServerProcess
-    from tasks.env_sessions import HttpEpisode
+    from runtime.env_sessions import HttpEpisode
 
     with EnvServerProcess("toy") as server:
         def run_http():
@@ -192,7 +192,7 @@ def test_max_live_bounds_concurrent_episodes_and_seeds_do_not_depend_on_it(token
     assert all(t.finish_reason in ("success", "failure", "turn_limit") for t in trajs)
     assert [t.task_id for t in trajs] == list(range(7))
     # the seed of an episode's turn is a function of (seed, episode, turn), whatever ran beside it
-    from tasks.rollout import episode_seed
+    from runtime.rollout import episode_seed
 
     expected = [episode_seed(5, i, turn) for i, t in enumerate(trajs) for turn in range(t.turns)]
     assert sorted(backend.seeds) == sorted(expected) and len(set(expected)) == len(expected)
@@ -224,7 +224,7 @@ class FlakyOnce(LocalEpisode):
 
 def _retrying(tok, specs, make, retries, heal=None, seed=None):
     """The rollout entry point: a request (episodes, turn limit, budgets, seed) on a runtime (backend, envs, retries)."""
-    from tasks.rollout import RolloutRequest, RolloutRuntime, rollout
+    from runtime.rollout import RolloutRequest, RolloutRuntime, rollout
 
     backend = SeedRecorder(tok) if seed is not None else Scripted(tok, ["Action: open door 1"])
     req = RolloutRequest(specs, turn_limit=2, params=SamplingParams(16, 1.0), token_budget=2048, seed=seed)
@@ -234,7 +234,7 @@ def _retrying(tok, specs, make, retries, heal=None, seed=None):
 
 
 def test_masked_episodes_are_retried_after_heal_with_their_own_seeds(tokenizer):
-    from tasks.rollout import episode_seed
+    from runtime.rollout import episode_seed
 
     FlakyOnce.bad, FlakyOnce.failed = {1, 3}, set()
     healed = []
@@ -277,8 +277,8 @@ def test_http_server_killed_mid_rollout_is_replaced_and_its_episodes_rerun(token
     replaced on its port, and they run again to a score. The other server's episodes are untouched."""
     from envs.client import AsyncEnvClient
     from envs.spawn import EnvServerProcess
-    from tasks.env_sessions import HttpEpisode
-    from tasks.rollout import run_rollout_retrying
+    from runtime.env_sessions import HttpEpisode
+    from runtime.rollout import run_rollout_retrying
 
     with EnvServerProcess("toy") as a, EnvServerProcess("toy") as b:
         port, pid = b.port, b.pid
@@ -322,8 +322,8 @@ def test_a_task_index_the_env_refuses_is_a_config_error_not_a_masked_episode(tok
     """HTTP 400 bad_data_idx (e.g. env.task_pool larger than the env's split) fails the rollout with the fix."""
     from envs.client import AsyncEnvClient
     from envs.spawn import EnvServerProcess
-    from tasks.env_sessions import HttpEpisode
-    from tasks.rollout import EnvConfigError
+    from runtime.env_sessions import HttpEpisode
+    from runtime.rollout import EnvConfigError
 
     with EnvServerProcess("toy") as server:
         async def go():
@@ -340,7 +340,7 @@ def test_a_task_index_the_env_refuses_is_a_config_error_not_a_masked_episode(tok
 
 
 def test_rollout_stats_add_work_sums_the_work_and_keeps_the_episode_count():
-    from tasks.rollout import RolloutStats
+    from runtime.rollout import RolloutStats
 
     a = RolloutStats(episodes=4, generated_tokens=10, env_steps=3, gen_time_s=1.0, env_time_s=0.5, wall_time_s=2.0,
                      retried_episodes=1)

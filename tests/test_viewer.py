@@ -164,7 +164,7 @@ def runs(tmp_path):
 def client(runs):
     from fastapi.testclient import TestClient
 
-    from flows.viewer import create_app
+    from flows.viewer.app import create_app
 
     return TestClient(create_app(runs[0], tracking_uri=None), raise_server_exceptions=False)
 

@@ -21,7 +21,7 @@ from core.busyclock import BusyClock
 from core.chat import ChatFormat
 from core.trajectory import Trajectory
 from envs.errors import TaskIndexError
-from tasks.backends.generation import Generation, GenerationBackend, RequestDriver, SamplingParams
+from runtime.backends.generation import Generation, GenerationBackend, RequestDriver, SamplingParams
 
 
 @dataclass
@@ -470,12 +470,12 @@ class _AdmitGate:
             self.cond.notify_all()
 
 
-PROGRESS_EVERY_S = 5.0  # per-episode pass: on_round at each new furthest turn, else at most this often
+ROUND_CALLBACK_EVERY_S = 5.0  # per-episode pass: on_round at each new furthest turn, else at most this often
 
 
 class _Progress:
     """The per-episode pass's ``on_round(turn, remaining, stats)``: called with the furthest turn any episode has
-    finished, when that grows, when the last episode ends, and otherwise at most every ``PROGRESS_EVERY_S``; the
+    finished, when that grows, when the last episode ends, and otherwise at most every ``ROUND_CALLBACK_EVERY_S``; the
     stats' generation and env times are brought up to date (``times()``) first."""
 
     def __init__(self, n: int, on_round: Callable[[int, int, RolloutStats], None] | None, stats: RolloutStats,
@@ -486,7 +486,7 @@ class _Progress:
     def report(self, turn: int) -> None:
         remaining = self.n - self.ended
         now = time.monotonic()
-        if turn > self.turn or remaining == 0 or now - self.at >= PROGRESS_EVERY_S:
+        if turn > self.turn or remaining == 0 or now - self.at >= ROUND_CALLBACK_EVERY_S:
             self.turn, self.at = max(turn, self.turn), now
             if self.on_round is not None:
                 self.stats.gen_time_s, self.stats.env_time_s = self.times()
