@@ -74,6 +74,7 @@ def phase_flow(config: RunConfig, phase: int, init_ref: str, parent_run_id: str 
             upd = T.policy_update(key, batch, adv)
             rec.step(i, gstep, limit, batch, adv, upd, time.time() - t0)
             last = prog.advance(i, batch.metrics, rec)
+            del batch, adv  # spent: the next rollout runs without this step's episodes and log-probs in memory
             ckpt.save_if_due(i, last, prog.trainer_state(i, limit))
             inject_fault(gstep + 1)
             if last:

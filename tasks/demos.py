@@ -150,7 +150,6 @@ async def collect_demos_async(task_ids: list[int], make_env: Callable[[int], Epi
     reasons: dict[str, int] = {}
     for t in trajs:
         reasons[t.finish_reason] = reasons.get(t.finish_reason, 0) + 1
-        t.info["demo"] = True
     keep = [t for i, t in enumerate(trajs) if t.success and not t.masked and i not in pending.gave_up]
     return DemoResult(keep, list(task_ids), len(trajs), len(keep), len(pending.gave_up), reasons, time.time() - t0)
 

@@ -55,7 +55,8 @@ class StepRecorder:
                                   f"trajectories/step-{gstep + 1:06d}.json")
         with open(self.dir / "metrics.jsonl", "a") as fh:
             fh.write(json.dumps({"global_step": gstep + 1, "phase": plan.phase, **metrics}) + "\n")
-        T.write_rollout_parquet(trajs, self.dir / "rollouts" / f"step-{gstep + 1:06d}.parquet", plan.phase, gstep)
+        T.write_rollout_parquet(trajs, self.dir / "rollouts" / f"step-{gstep + 1:06d}.parquet", plan.phase, gstep,
+                                advantages=adv.advantages)
         print(f"phase {plan.phase}/{len(plan.phases)} step {i + 1}/{plan.steps} (global {gstep + 1}/"
               f"{total_steps(list(plan.phases))}) turns<={limit} | episodes {int(roll['episodes'])} | "
               + fmt(metrics, ["mean_reward", "success_rate", "mean_turns", "gen_tokens_per_s",

@@ -30,6 +30,7 @@ from core.redact import redact_uri
 from core.chat import ChatFormat
 from core.config import RunConfig
 from core.metrics import episode_metrics
+from core.seeds import step_seed
 from core.trajectory import Trajectory, join_rows, split_rows, turn_samples
 from envs.base import task_index
 from runtime.killpoint import kill_point
@@ -207,7 +208,7 @@ def close_session(key: str) -> None:
 
 # --- data position: tasks are a pure function of (seed, global step) ---------------------------------
 def train_tasks_for_step(cfg: RunConfig, global_step: int) -> list[int]:
-    rng = random.Random(cfg.seed * 1_000_003 + global_step)
+    rng = random.Random(step_seed(cfg.seed, global_step))
     pool = cfg.env.task_pool
     n = cfg.rollout.tasks_per_step
     return rng.sample(range(pool), n) if n <= pool else [rng.randrange(pool) for _ in range(n)]
@@ -320,11 +321,10 @@ def rollout_batch(key: str, urls: list[str], global_step: int, turn_limit: int) 
             kill_point("rollout")
 
     trajs, metrics = _rollout(s, urls, tasks, r.samples_per_task, turn_limit, r.temperature, r.max_new_tokens,
-                              f"step {global_step + 1}", seed=s.cfg.seed * 1_000_003 + global_step,
+                              f"step {global_step + 1}", seed=step_seed(s.cfg.seed, global_step),
                               after_turn=after_turn)
     for t in trajs:
-        t.info["global_step"] = global_step
-        t.info["turn_limit"] = turn_limit
+        t.turn_limit = turn_limit
     metrics["max_turns_seen"] = float(max((t.turns for t in trajs), default=0))
     return Batch(trajs, metrics)
 
@@ -361,8 +361,6 @@ def compute_advantages(key: str, batch: Batch) -> Advantages:
         kl=per_token("kl") if spec.kl_in_reward else None,
         final_values=_last_sample_values(s.learner.final_values(samples, prepared), where, len(trajs))
         if spec.needs_critic else None)
-    for t, adv in zip(trajs, advantages):  # kept with the episode: the rollout Parquet stores what was trained on
-        t.info["advantages"] = adv
     return Advantages(advantages, returns, prepared, stats)
 
 
@@ -387,7 +385,6 @@ def policy_update(key: str, batch: Batch, adv: Advantages) -> dict[str, float]:
     out = s.learner.update(samples, split_rows(adv.advantages, where), prepared=adv.prepared,
                            returns=None if adv.returns is None else split_rows(adv.returns, where))
     kill_point("update")  # test hook (runtime.killpoint): a no-op unless $SCALINGINTER_KILL_AT names it
-    adv.prepared = None  # the old/ref log-probs of this batch are spent; free them before the next rollout
     with timed("weight_sync"):
         s.backend.sync_weights()  # a separate generation engine (vLLM) reloads the new weights; no-op otherwise
     if hasattr(s.backend, "sync_time_s"):
@@ -448,7 +445,7 @@ def evaluate_sweep(key: str, urls: list[str], task_ids: list[int], turn_limits: 
         write_rollout_parquet(trajs, Path(episodes_path), phase=0, step=0)
     outcomes = [{"task_id": sp.task_id, "turn_limit": sp.turn_limit, "sample": sp.seed_key - sp.task_id * MAX_EVAL_SAMPLES,
                  "success": None if t.masked else bool(t.success), "reward": t.reward, "turns": t.turns,
-                 "category": t.info.get("category"), "required_turns": t.info.get("required_turns"),
+                 "category": t.category, "required_turns": t.required_turns,
                  "finish_reason": t.finish_reason}
                 for sp, t in zip(specs, trajs)]
     stats = {k: m[k] for k in ("rollout_time_s", "generated_tokens", "gen_tokens_per_s", "env_steps_per_s",
@@ -491,26 +488,28 @@ def trajectories_text(trajs: list[Trajectory], k: int) -> str:
     for t in trajs[:k]:
         rows.append({"task_id": t.task_id, "group_id": t.group_id, "reward": t.reward, "success": t.success,
                      "finish_reason": t.finish_reason, "turns": t.turns, "masked": t.masked, "error": t.error,
-                     "first_observation": t.info.get("first_observation"), "replies": t.info.get("replies"),
-                     "observations": t.info.get("observations"), "num_tokens": len(t.token_ids)})
+                     "first_observation": t.first_observation, "replies": t.replies,
+                     "observations": t.observations, "num_tokens": len(t.token_ids)})
     return json.dumps(rows, indent=2)
 
 
 ROLLOUT_ROW_GROUP = 32  # episodes per Parquet row group: the trajectory viewer reads one group to show an episode
 
 
-def write_rollout_parquet(trajs: list[Trajectory], path: Path, phase: int, step: int) -> None:
+def write_rollout_parquet(trajs: list[Trajectory], path: Path, phase: int, step: int,
+                          advantages: list[list[float]] | None = None) -> None:
     """One row per episode. Besides the token-exact fields, what the trajectory viewer shows: the episode's
     category, return and turn limit, the token offsets of the turns (``prompt_len``, ``action_ends``; with a history
     window ``segment_starts``, where each turn's own sample begins), the text of
     every turn (first observation, replies, observations), the env's parsed action per turn and whether it was
-    invalid, and the per-token advantage the update used (null where the step computed none). Readers must accept
+    invalid, and the per-token advantage the update used (``advantages``, per trajectory; null where the step
+    computed none, as in evaluation). Readers must accept
     files without these columns (written before they existed)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    def info(key: str, default: Any = None) -> list[Any]:
-        return [t.info.get(key, default) for t in trajs]
+    def col(name: str) -> list[Any]:
+        return [getattr(t, name) for t in trajs]
 
     path.parent.mkdir(parents=True, exist_ok=True)
     ints, strs = pa.list_(pa.int32()), pa.list_(pa.string())
@@ -521,20 +520,20 @@ def write_rollout_parquet(trajs: list[Trajectory], path: Path, phase: int, step:
         "turn_rewards": [t.turn_rewards for t in trajs], "finish_reason": [t.finish_reason for t in trajs],
         "success": [t.success for t in trajs], "masked": [t.masked for t in trajs],
         "phase": [phase] * len(trajs), "step": [step] * len(trajs),
-        "category": pa.array([None if c is None else str(c) for c in info("category")], pa.string()),
+        "category": pa.array([None if c is None else str(c) for c in col("category")], pa.string()),
         "reward": pa.array([t.reward for t in trajs], pa.float64()),
-        "turn_limit": pa.array(info("turn_limit"), pa.int32()),
-        "env_truncated": pa.array([bool(x) for x in info("env_truncated", False)], pa.bool_()),
+        "turn_limit": pa.array(col("turn_limit"), pa.int32()),
+        "env_truncated": pa.array([bool(x) for x in col("env_truncated")], pa.bool_()),
         "error": pa.array([t.error for t in trajs], pa.string()),
         "prompt_len": pa.array([t.prompt_len for t in trajs], pa.int32()),
         "action_ends": pa.array([t.action_ends for t in trajs], ints),
         "segment_starts": pa.array([t.segment_starts for t in trajs], ints),
-        "first_observation": pa.array(info("first_observation"), pa.string()),
-        "replies": pa.array(info("replies"), strs),
-        "observations": pa.array(info("observations"), strs),
-        "actions": pa.array(info("actions"), strs),
-        "invalid_actions": pa.array(info("invalid_actions"), pa.list_(pa.bool_())),
-        "advantages": pa.array(info("advantages"), pa.list_(pa.float32())),
+        "first_observation": pa.array(col("first_observation"), pa.string()),
+        "replies": pa.array(col("replies"), strs),
+        "observations": pa.array(col("observations"), strs),
+        "actions": pa.array(col("actions"), strs),
+        "invalid_actions": pa.array(col("invalid_actions"), pa.list_(pa.bool_())),
+        "advantages": pa.array(advantages if advantages is not None else [None] * len(trajs), pa.list_(pa.float32())),
     })
     tmp = path.with_suffix(".tmp")
     pq.write_table(table, tmp, row_group_size=ROLLOUT_ROW_GROUP)

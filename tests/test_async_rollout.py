@@ -352,7 +352,7 @@ def test_retries_rerun_masked_episodes_with_their_own_seeds(tokenizer):
                          heal=heal)
     (lock, _, _), (asy, st, fake) = out[False], out[True]
     _same(lock, asy)
-    assert [t.info.get("attempt") for t in asy] == [None, 2, None, 2] and not any(t.masked for t in asy)
+    assert [t.attempt for t in asy] == [1, 2, 1, 2] and not any(t.masked for t in asy)
     assert st.retried_episodes == 2 and st.recovered_episodes == 2 and len(healed) == 2
     first_turn = [episode_seed(7, i, 0) for i in range(4)]
     seen = [s for _, s in fake.requests if s in first_turn]

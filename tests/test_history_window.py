@@ -79,7 +79,7 @@ def test_windowed_rollout_is_token_exact_per_turn_sample(tokenizer, async_episod
         assert t.turns == 5 and t.finish_reason == "turn_limit"
         bounds = segment_bounds(t)
         assert len(bounds) == t.turns and bounds[0][0] == 0 and bounds[-1][1] == len(t.token_ids)
-        obs = [t.info["first_observation"]] + t.info["observations"]
+        obs = [t.first_observation] + t.observations
         acts = _actions(t)
         stopped = [a[-1] == tokenizer.eos_token_id for a in acts]
         for turn, (a, b) in enumerate(bounds):

@@ -73,7 +73,7 @@ def test_token_exact_multi_turn(tokenizer):
     # the sequence is exactly: prompt | reply1 ids | env ids | reply2 ids
     a1 = tokenizer(replies[0], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     a2 = tokenizer(replies[1], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    env_ids = chat.env_turn_ids(t.info["observations"][0], reply_ended_with_eos=True)
+    env_ids = chat.env_turn_ids(t.observations[0], reply_ended_with_eos=True)
     p = t.prompt_len
     assert t.token_ids[p:] == a1 + env_ids + a2
     assert t.loss_mask == [0] * p + [1] * len(a1) + [0] * len(env_ids) + [1] * len(a2)
@@ -112,7 +112,7 @@ def test_reply_without_eos_gets_closing_delimiter(tokenizer):
     trajs, _, _, chat = run(tokenizer, ["thinking"], [EpisodeSpec(0, 0)], turn_limit=2, eos=False)
     t = trajs[0]
     a = tokenizer("thinking", add_special_tokens=False)["input_ids"]
-    env_ids = chat.env_turn_ids(t.info["observations"][0], reply_ended_with_eos=False)
+    env_ids = chat.env_turn_ids(t.observations[0], reply_ended_with_eos=False)
     assert env_ids[0] == tokenizer.eos_token_id  # the template's turn-closing token is added for the env
     assert t.token_ids[t.prompt_len:t.prompt_len + len(a) + len(env_ids)] == a + env_ids
 
@@ -248,8 +248,8 @@ def test_masked_episodes_are_retried_after_heal_with_their_own_seeds(tokenizer):
     assert healed == [1] and stats.servers_replaced == 1
     assert stats.retried_episodes == 2 and stats.recovered_episodes == 2
     assert not any(t.masked for t in trajs) and [t.task_id for t in trajs] == [0, 1, 2, 3]
-    assert [t.info.get("attempt", 1) for t in trajs] == [1, 2, 1, 2]
-    assert "env server died" in trajs[1].info["earlier_errors"][0]
+    assert [t.attempt for t in trajs] == [1, 2, 1, 2]
+    assert "env server died" in trajs[1].earlier_errors[0]
     # the retried episodes sampled with their own indices' seeds: (seed, 1, 0) twice, never (seed, 0, 0) again
     first_turn = [episode_seed(9, i, 0) for i in range(4)]
     assert sorted(s for s in backend.seeds if s in first_turn) == sorted(first_turn + [first_turn[1], first_turn[3]])
@@ -267,8 +267,8 @@ def test_without_retries_or_when_failing_again_the_episode_stays_masked(tokenize
         return Crashing(ToyEnv()) if i == 0 else LocalEpisode(ToyEnv())
 
     trajs, stats, _ = _retrying(tokenizer, [EpisodeSpec(0, 0), EpisodeSpec(1, 1)], make, retries=2)
-    assert trajs[0].masked and trajs[0].finish_reason == "env_error" and trajs[0].info["attempt"] == 3
-    assert len(trajs[0].info["earlier_errors"]) == 2 and not trajs[1].masked
+    assert trajs[0].masked and trajs[0].finish_reason == "env_error" and trajs[0].attempt == 3
+    assert len(trajs[0].earlier_errors) == 2 and not trajs[1].masked
     assert stats.retried_episodes == 2 and stats.recovered_episodes == 0
 
 
@@ -313,9 +313,9 @@ def test_http_server_killed_mid_rollout_is_replaced_and_its_episodes_rerun(token
         assert b.alive() and b.port == port and b.pid != pid  # replaced on the same port
         assert stats.servers_replaced == 1 and stats.retried_episodes == 3 and stats.recovered_episodes == 3
         assert not any(t.masked for t in trajs)
-        assert [t.info.get("attempt", 1) for t in trajs] == [1, 2, 1, 2, 1, 2]
+        assert [t.attempt for t in trajs] == [1, 2, 1, 2, 1, 2]
         assert all(t.finish_reason in ("success", "failure", "turn_limit") and t.turns >= 1 for t in trajs)
-        assert all(t.turns >= 2 and "attempt" not in t.info for t in trajs[0::2])  # server a's ran on, unaffected
+        assert all(t.turns >= 2 and t.attempt == 1 for t in trajs[0::2])  # server a's ran on, unaffected
 
 
 def test_a_task_index_the_env_refuses_is_a_config_error_not_a_masked_episode(tokenizer):

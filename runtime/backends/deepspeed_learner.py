@@ -112,7 +112,6 @@ def zero_weight_copy(t: Trajectory) -> Trajectory:
     steps in line) and contributes nothing to the loss or its normalisation."""
     c = copy.copy(t)
     c.loss_mask = [0] * len(t.loss_mask)
-    c.info = {**t.info, "sharding_padding": True}
     return c
 
 
