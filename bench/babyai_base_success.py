@@ -121,9 +121,9 @@ def run_random(level: str, ids: list[int], turns: int, seed: int = 0, repeats: i
 def show(trajs, n: int) -> None:
     for tr in trajs[:n]:
         print(f"  --- task {tr.task_id}: {tr.finish_reason}")
-        print("  | " + tr.info.get("first_observation", "").replace("\n", "\n  | "))
-        obs = tr.info.get("observations", [])
-        for k, reply in enumerate(tr.info.get("replies", [])):
+        print("  | " + (tr.first_observation or "").replace("\n", "\n  | "))
+        obs = tr.observations or []
+        for k, reply in enumerate(tr.replies or []):
             print("  > " + reply.strip().replace("\n", "\n  > "))
             if k < len(obs):
                 print("  | " + obs[k].replace("\n", "\n  | "))

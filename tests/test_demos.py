@@ -126,7 +126,7 @@ def test_demos_equal_the_rollout_of_a_model_replying_with_the_expert_text(tokeni
         assert demo.turn_rewards == r.turn_rewards == rewards
         assert demo.prompt_len == r.prompt_len and demo.success and r.success
         assert demo.finish_reason == r.finish_reason == "success"
-        assert demo.info["replies"] == r.info["replies"]  # the env saw the same text
+        assert demo.replies == r.replies  # the env saw the same text
 
 
 def test_a_reply_longer_than_the_turn_cap_is_cut_like_a_sampled_one(tokenizer):
