@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from envs.babyai.env import BabyAIEnv, short_name  # noqa: E402
 from envs.base import task_index  # noqa: E402
-from tasks.env_sessions import LocalEpisode  # noqa: E402
-from tasks.rollout import EnvReply, EpisodeSpec, run_rollout  # noqa: E402
+from runtime.env_sessions import LocalEpisode  # noqa: E402
+from runtime.rollout import EnvReply, EpisodeSpec, run_rollout  # noqa: E402
 
 DEFAULT_LEVELS = "GoToObj,GoToRedBallGrey,GoToLocal,PickupLoc,OpenDoor"
 
@@ -49,8 +49,8 @@ def load_policy(model_ref: str, threads: int):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from core.chat import ChatFormat
-    from tasks.backends.generation import TransformersBackend
-    from tasks.backends.model import resolve_model
+    from runtime.backends.generation import TransformersBackend
+    from runtime.backends.model import resolve_model
 
     torch.set_num_threads(threads)
     path = resolve_model(model_ref)
@@ -69,7 +69,7 @@ def run_model(backend, chat, level: str, ids: list[int], temperature: float, tur
     import torch
 
     from core.metrics import episode_metrics
-    from tasks.backends.generation import SamplingParams
+    from runtime.backends.generation import SamplingParams
 
     sessions: list[_Recorded] = []
 
@@ -121,9 +121,9 @@ def run_random(level: str, ids: list[int], turns: int, seed: int = 0, repeats: i
 def show(trajs, n: int) -> None:
     for tr in trajs[:n]:
         print(f"  --- task {tr.task_id}: {tr.finish_reason}")
-        print("  | " + tr.info.get("first_observation", "").replace("\n", "\n  | "))
-        obs = tr.info.get("observations", [])
-        for k, reply in enumerate(tr.info.get("replies", [])):
+        print("  | " + (tr.first_observation or "").replace("\n", "\n  | "))
+        obs = tr.observations or []
+        for k, reply in enumerate(tr.replies or []):
             print("  > " + reply.strip().replace("\n", "\n  > "))
             if k < len(obs):
                 print("  | " + obs[k].replace("\n", "\n  | "))

@@ -66,8 +66,8 @@ class _HttpEnvs:
     async def run(self, specs, be, chat, params, turns, max_live, async_episodes, seed=None,
                   budget=2048):
         from envs.client import AsyncEnvClient
-        from tasks.env_sessions import HttpEpisode
-        from tasks.rollout import run_rollout
+        from runtime.env_sessions import HttpEpisode
+        from runtime.rollout import run_rollout
 
         client = AsyncEnvClient(self.server.url, timeout_s=120)
         try:
@@ -130,11 +130,11 @@ def bench_rollout(episodes: list[int], turns: int, new_tokens: int, backends: li
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from core.chat import ChatFormat
-    from tasks.backends.generation import SamplingParams, TransformersBackend
-    from tasks.backends.hardware import resolve_vllm_dtype
-    from tasks.backends.model import resolve_model
-    from tasks.env_sessions import local_factory
-    from tasks.rollout import EpisodeSpec, run_rollout
+    from runtime.backends.generation import SamplingParams, TransformersBackend
+    from runtime.backends.hardware import resolve_vllm_dtype
+    from runtime.backends.model import resolve_model
+    from runtime.env_sessions import local_factory
+    from runtime.rollout import EpisodeSpec, run_rollout
 
     path = resolve_model("smollm2-135m")
     tok = AutoTokenizer.from_pretrained(path)
@@ -144,7 +144,7 @@ def bench_rollout(episodes: list[int], turns: int, new_tokens: int, backends: li
     for name in backends:
         t0 = time.time()
         if name == "vllm":
-            from tasks.backends.vllm_backend import VLLMBackend
+            from runtime.backends.vllm_backend import VLLMBackend
 
             be = VLLMBackend(path, tok.eos_token_id, dtype=resolve_vllm_dtype(None), enforce_eager=True,
                              max_model_len=2048)
@@ -229,10 +229,10 @@ def bench_evalscale(train_eps: int = 16, eval_eps: int = 96, turns: int = 4, rep
 
     from core.chat import ChatFormat
     from flows.config import build_config
-    from tasks.backends.generation import SamplingParams
-    from tasks.backends.model import resolve_model
-    from tasks.backends.vllm_backend import backend_for, shutdown_engines
-    from tasks.rollout import EpisodeSpec
+    from runtime.backends.generation import SamplingParams
+    from runtime.backends.model import resolve_model
+    from runtime.backends.vllm_backend import backend_for, shutdown_engines
+    from runtime.rollout import EpisodeSpec
 
     cfg = build_config("babyai", "smoke")
     r = cfg.rollout
@@ -298,8 +298,8 @@ def bench_update(seqs: int, length: int, engines: list[str]) -> list[dict]:
     import torch
 
     from core.trajectory import Trajectory
-    from tasks.backends.learner import LearnerConfig, TorchLearner
-    from tasks.backends.model import resolve_model
+    from runtime.backends.learner import LearnerConfig, TorchLearner
+    from runtime.backends.model import resolve_model
 
     path = resolve_model("smollm2-135m")
     n_params = 134.5e6
@@ -322,7 +322,7 @@ def bench_update(seqs: int, length: int, engines: list[str]) -> list[dict]:
         for autocast in (True, False):
             cfg = LearnerConfig(lr=1e-6, kl_coef=0.001, micro_batch_size=4, bf16_autocast=autocast)
             if eng == "deepspeed-zero2":
-                from tasks.backends.deepspeed_learner import DeepSpeedLearner
+                from runtime.backends.deepspeed_learner import DeepSpeedLearner
 
                 learner = DeepSpeedLearner(path, cfg, zero_stage=2)
             else:

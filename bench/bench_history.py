@@ -45,10 +45,10 @@ def main() -> None:
     from core.chat import ChatFormat
     from core.trajectory import turn_samples
     from flows.config import build_config
-    from tasks.backends.generation import SamplingParams
-    from tasks.backends.model import resolve_model
-    from tasks.backends.vllm_backend import backend_for, shutdown_engines
-    from tasks.rollout import EpisodeSpec, RolloutRequest, RolloutRuntime, rollout
+    from runtime.backends.generation import SamplingParams
+    from runtime.backends.model import resolve_model
+    from runtime.backends.vllm_backend import backend_for, shutdown_engines
+    from runtime.rollout import EpisodeSpec, RolloutRequest, RolloutRuntime, rollout
     from bench.bench_engines import _HttpEnvs
 
     cfg = build_config("babyai", "smoke", [f"env.options={{\"levels\": \"{LEVELS}\"}}",
@@ -63,8 +63,8 @@ def main() -> None:
     http = _HttpEnvs("babyai", dict(cfg.env.options))
     learner = None
     if a.update:
-        from tasks.backends.hardware import resolve_bf16
-        from tasks.backends.learner import LearnerConfig, TorchLearner
+        from runtime.backends.hardware import resolve_bf16
+        from runtime.backends.learner import LearnerConfig, TorchLearner
 
         learner = TorchLearner(path, LearnerConfig(lr=1e-7, kl_coef=0.0, micro_batch_size=cfg.algo.micro_batch_size,
                                                    micro_batch_tokens=cfg.algo.micro_batch_tokens,
@@ -76,7 +76,7 @@ def main() -> None:
                 specs = [EpisodeSpec(task_id=5000 + i // 4, group_id=i // 4) for i in range(a.episodes)]
                 req = RolloutRequest(specs, T, SamplingParams(a.new_tokens, 1.0), a.budget, seed=7, history_turns=k)
                 from envs.client import AsyncEnvClient
-                from tasks.env_sessions import HttpEpisode
+                from runtime.env_sessions import HttpEpisode
 
                 async def go():
                     client = AsyncEnvClient(http.server.url, timeout_s=120)

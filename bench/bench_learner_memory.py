@@ -28,9 +28,9 @@ def child(seqs: int, length: int, cap: int | None) -> dict:
     import torch
 
     from core.trajectory import Trajectory
-    from tasks.backends.hardware import resolve_bf16
-    from tasks.backends.learner import LearnerConfig, TorchLearner
-    from tasks.backends.model import resolve_model
+    from runtime.backends.hardware import resolve_bf16
+    from runtime.backends.learner import LearnerConfig, TorchLearner
+    from runtime.backends.model import resolve_model
 
     torch.manual_seed(0)
     learner = TorchLearner(resolve_model("smollm2-135m"), LearnerConfig(

@@ -28,8 +28,8 @@ def bench_generation(batches: list[int], new_tokens: int) -> list[tuple[str, str
 
     from core.chat import ChatFormat
     from envs.babyai.env import BabyAIEnv
-    from tasks.backends.generation import SamplingParams, TransformersBackend
-    from tasks.backends.model import resolve_model
+    from runtime.backends.generation import SamplingParams, TransformersBackend
+    from runtime.backends.model import resolve_model
 
     path = resolve_model("smollm2-135m")
     tok = AutoTokenizer.from_pretrained(path)
@@ -118,8 +118,8 @@ def bench_update(seqs: int, length: int) -> list[tuple[str, str]]:
     import torch
 
     from core.trajectory import Trajectory
-    from tasks.backends.learner import LearnerConfig, TorchLearner
-    from tasks.backends.model import resolve_model
+    from runtime.backends.learner import LearnerConfig, TorchLearner
+    from runtime.backends.model import resolve_model
 
     path = resolve_model("smollm2-135m")
     rows = []

@@ -71,10 +71,10 @@ def run_ours(steps: int, engine: str, in_process: bool = False) -> dict:
     from core.advantages import EstimatorParams, trajectory_advantages
     from core.chat import ChatFormat
     from core.trajectory import Trajectory
-    from tasks.backends.generation import SamplingParams, TransformersBackend
-    from tasks.backends.hardware import resolve_bf16, resolve_vllm_dtype
-    from tasks.backends.learner import LearnerConfig, TorchLearner
-    from tasks.backends.model import resolve_model
+    from runtime.backends.generation import SamplingParams, TransformersBackend
+    from runtime.backends.hardware import resolve_bf16, resolve_vllm_dtype
+    from runtime.backends.learner import LearnerConfig, TorchLearner
+    from runtime.backends.model import resolve_model
 
     torch.manual_seed(0)
     path = resolve_model("smollm2-135m")
@@ -84,10 +84,10 @@ def run_ours(steps: int, engine: str, in_process: bool = False) -> dict:
     learner = TorchLearner(path, LearnerConfig(lr=LR, kl_coef=KL, micro_batch_size=MICRO, bf16_autocast=bf16,
                                                temperature=1.0), reference_path=path)
     if engine == "vllm":
-        from tasks.backends.vllm_backend import VLLMBackend, export_fn, named_weights_fn
+        from runtime.backends.vllm_backend import VLLMBackend, export_fn, named_weights_fn
 
         from core.kvcache import GiB, plan_kv_cache
-        from tasks.backends.vllm_backend import model_kv_bytes_per_token
+        from runtime.backends.vllm_backend import model_kv_bytes_per_token
 
         # KV cache sized as the product sizes it: the batch's sequences x their token budget (prompts <= ~260
         # tokens + 64 new) x the engine dtype's bytes per token
@@ -152,8 +152,8 @@ def run_trl(steps: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from tasks.backends.hardware import resolve_bf16
-    from tasks.backends.model import resolve_model
+    from runtime.backends.hardware import resolve_bf16
+    from runtime.backends.model import resolve_model
 
     torch.manual_seed(0)
     path = resolve_model("smollm2-135m")

@@ -37,7 +37,7 @@ def synthetic_run(root: Path, n: int, seed: int = 0) -> Path:
 
     def ids(k: int) -> list[int]:
         return nrng.integers(0, 49152, k).tolist()
-    trajs = []
+    trajs, advantages = [], []
     for i in range(n):
         t = Trajectory(task_id=1000 + i // 8, group_id=i // 8)
         t.start(ids(350))
@@ -52,13 +52,13 @@ def synthetic_run(root: Path, n: int, seed: int = 0) -> Path:
                 t.add_env(ids(90))
         reason = rng.choice(["success", "failure", "turn_limit", "token_budget"])
         t.finish(reason, success=reason == "success")
-        t.info.update({"first_observation": "Your goal: go to the red ball. " * 10, "replies": replies,
-                       "observations": obs, "actions": [f"go to red ball {k}" for k in range(turns)],
-                       "invalid_actions": [False] * turns, "category": rng.choice(["GoToObj", "GoToLocal"]),
-                       "turn_limit": 8, "advantages": (nrng.normal(size=len(t.loss_mask)) * np.array(t.loss_mask)).tolist()})
+        t.first_observation, t.replies, t.observations = "Your goal: go to the red ball. " * 10, replies, obs
+        t.actions, t.invalid_actions = [f"go to red ball {k}" for k in range(turns)], [False] * turns
+        t.category, t.turn_limit = rng.choice(["GoToObj", "GoToLocal"]), 8
+        advantages.append((nrng.normal(size=len(t.loss_mask)) * np.array(t.loss_mask)).tolist())
         trajs.append(t)
     run = root / "bench"
-    write_rollout_parquet(trajs, run / "rollouts" / "step-000001.parquet", phase=1, step=0)
+    write_rollout_parquet(trajs, run / "rollouts" / "step-000001.parquet", phase=1, step=0, advantages=advantages)
     (run / "config.json").write_text(json.dumps({"run_name": "bench", "env": {"name": "babyai"},
                                                  "model": {"path": "smollm2-135m"}, "algo": {"estimator": "grpo"},
                                                  "curriculum": {"phases": [{"turn_limit": 8, "steps": 1}]}}))
@@ -76,7 +76,7 @@ def main() -> None:
     import httpx
     import uvicorn
 
-    from flows.viewer import create_app
+    from flows.viewer.app import create_app
 
     root = Path(tempfile.mkdtemp(prefix="bench-viewer-"))
     try:

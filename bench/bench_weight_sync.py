@@ -24,10 +24,10 @@ def main() -> None:
 
     import torch
 
-    from tasks.backends.hardware import resolve_vllm_dtype
-    from tasks.backends.learner import LearnerConfig, TorchLearner
-    from tasks.backends.model import resolve_model
-    from tasks.backends.vllm_backend import VLLMBackend, export_fn, named_weights_fn
+    from runtime.backends.hardware import resolve_vllm_dtype
+    from runtime.backends.learner import LearnerConfig, TorchLearner
+    from runtime.backends.model import resolve_model
+    from runtime.backends.vllm_backend import VLLMBackend, export_fn, named_weights_fn
 
     dtype = resolve_vllm_dtype(args.dtype)
     path = resolve_model("smollm2-135m")

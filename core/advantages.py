@@ -95,11 +95,19 @@ _ESTIMATORS: dict[str, EstimatorSpec] = {}
 def register(name: str, *, needs_critic: bool = False, kl_in_reward: bool = False, needs_groups: bool = False,
              needs_turns: bool = False, description: str = ""):
     def deco(fn):
+        old = _ESTIMATORS.get(name)
+        if old is not None and _origin(old.fn) != _origin(fn):  # the same function again (a reload) is fine
+            raise ValueError(f"advantage estimator {name!r} is already registered by {_origin(old.fn)}; "
+                             f"{_origin(fn)} needs another name")
         _ESTIMATORS[name] = EstimatorSpec(name, fn, needs_critic, kl_in_reward, needs_groups, description,
                                           needs_turns)
         return fn
 
     return deco
+
+
+def _origin(fn) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
 def get_estimator(name: str) -> EstimatorSpec:

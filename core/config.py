@@ -292,7 +292,7 @@ class LearnerEngineConfig(_Strict):
     config_path: str | None = Field(None, description="DeepSpeed JSON config (default: infra/deepspeed/zero<stage>.json).")
     nodes: int = Field(1, ge=1, description="DeepSpeed across machines: nodes of learner.ranks ranks each, joined by "
                                             "torchrun's c10d rendezvous at master_addr:master_port (the run's machine "
-                                            "is node 0; the others run `python -m tasks.backends.deepspeed_learner "
+                                            "is node 0; the others run `python -m runtime.backends.deepspeed_learner "
                                             "join`, see README 'Beyond one machine').")
     node_rank: int = Field(0, ge=0, description="This machine's node (0: the run's; the join command of the other "
                                                 "nodes takes theirs).")

@@ -19,11 +19,11 @@ def episode_metrics(trajs: list[Trajectory]) -> dict[str, float]:
         "mean_policy_tokens": sum(t.num_policy_tokens for t in live) / n if n else 0.0,
         "mean_length": sum(len(t.token_ids) for t in live) / n if n else 0.0,
     }
-    # numbers an env reports about the episode besides its reward (``info["episode_metrics"]`` of its last step,
+    # numbers an env reports about the episode besides its reward (``episode_metrics``, from its last step,
     # e.g. SciWorld's 0-100 score next to success = score 100, deep search's F1 next to exact match)
     extra: dict[str, list[float]] = {}
     for t in live:
-        for k, v in (t.info.get("episode_metrics") or {}).items():
+        for k, v in (t.episode_metrics or {}).items():
             extra.setdefault(k, []).append(float(v))
     for k, vals in sorted(extra.items()):
         out[f"mean_{k}"] = sum(vals) / len(vals)
@@ -56,7 +56,7 @@ def step_diagnostics(trajs: list[Trajectory], advantages: list[list[float]] | No
                      turn_limit: int | None) -> dict[str, float]:
     """A training step's stability diagnostics over its live episodes (see ``DIAGNOSTICS``):
 
-    - invalid-action rate: turns the env flagged invalid (``info["invalid_actions"]``) / turns;
+    - invalid-action rate: turns the env flagged invalid (``invalid_actions``) / turns;
     - repeated-action rate: turns whose parsed action equals the turn before's and that acted on the same
       observation as the turn before (a stuck loop) / turns that have a turn before;
     - reply tokens: mean policy tokens per turn;
@@ -71,12 +71,12 @@ def step_diagnostics(trajs: list[Trajectory], advantages: list[list[float]] | No
     lengths: list[int] = []
     for i in live:
         t = trajs[i]
-        flags = t.info.get("invalid_actions") or []
+        flags = t.invalid_actions or []
         invalid += sum(bool(x) for x in flags)
         turns += t.turns
         lengths += _turn_lengths(t)
-        acts = t.info.get("actions") or []
-        obs = [t.info.get("first_observation")] + list(t.info.get("observations") or [])
+        acts = t.actions or []
+        obs = [t.first_observation] + list(t.observations or [])
         for k in range(1, min(len(acts), t.turns)):
             with_prev += 1
             if acts[k] is not None and acts[k] == acts[k - 1] and k < len(obs) and obs[k] == obs[k - 1]:

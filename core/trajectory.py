@@ -36,8 +36,21 @@ class Trajectory:
     finish_reason: str = ""
     masked: bool = False  # infrastructure failure: excluded from loss and metrics, never scored 0
     error: str = ""
-    info: dict[str, Any] = field(default_factory=dict)
     segment_starts: list[int] = field(default_factory=list)  # history window: where each turn's sample begins
+    # what the episode saw and said, turn by turn (diagnostics, GiGPO's anchor states, the Parquet file, the viewer);
+    # None where the rollout never recorded it (an episode that failed at reset has no observations)
+    first_observation: str | None = None  # the reset observation: turn 0 acts on it
+    observations: list[str] | None = None  # the env's reply to each turn
+    replies: list[str] | None = None  # the policy's text of each turn (set when the rollout pass ends)
+    actions: list[str | None] | None = None  # the env's parsed action of each turn (None: it named none)
+    invalid_actions: list[bool] | None = None  # the env flagged the turn's reply as no valid action
+    category: str | None = None  # the env's task category (per-category eval scores)
+    required_turns: int | None = None  # the fewest turns the env's expert needs (results by horizon)
+    episode_metrics: dict[str, float] | None = None  # numbers the env reports besides the reward (SciWorld's score)
+    env_truncated: bool = False  # the env's own step budget ended the episode
+    turn_limit: int | None = None  # the training step's turn limit (None outside training steps)
+    attempt: int = 1  # which pass ran it: > 1 after env failures masked the earlier ones
+    earlier_errors: list[str] = field(default_factory=list)  # those failures, oldest first
 
     # -- building -------------------------------------------------------------------------------------
     def start(self, prompt_ids: list[int]) -> None:
@@ -68,6 +81,12 @@ class Trajectory:
         self.token_ids += ids
         self.loss_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
+
+    def record_env_reply(self, observation: str, action: str | None, invalid: bool) -> None:
+        """The env's reply to the last action: its observation, the action it parsed, whether it was invalid."""
+        self.observations = (self.observations or []) + [observation]
+        self.actions = (self.actions or []) + [action]
+        self.invalid_actions = (self.invalid_actions or []) + [bool(invalid)]
 
     def start_segment(self, prompt_ids: list[int]) -> None:
         """History window: the next turn's sample starts here with its own prompt (loss mask 0). The first
@@ -175,16 +194,16 @@ def is_truncated(traj: Trajectory) -> bool:
 
 def turn_observations(traj: Trajectory) -> list[str]:
     """The observation each turn acted on (GiGPO's anchor state): turn 0 the reset's observation
-    (``info["first_observation"]``), turn k > 0 the env's reply to turn k - 1 (``info["observations"][k - 1]``),
+    (``first_observation``), turn k > 0 the env's reply to turn k - 1 (``observations[k - 1]``),
     as the rollout records them."""
     if traj.turns == 0:
         return []
-    first, obs = traj.info.get("first_observation"), traj.info.get("observations") or []
+    first, obs = traj.first_observation, traj.observations or []
     if first is None or len(obs) < traj.turns - 1:
         raise ValueError(f"trajectory of task {traj.task_id} has {traj.turns} turns but "
-                         f"{'no' if first is None else 'a'} first observation and {len(obs)} observations in its info: "
-                         "the observation each turn acted on is needed (tasks.rollout records info['first_observation'] "
-                         "and info['observations'])")
+                         f"{'no' if first is None else 'a'} first observation and {len(obs)} observations: "
+                         "the observation each turn acted on is needed (runtime.rollout records first_observation "
+                         "and observations)")
     return [str(first)] + [str(o) for o in obs[: traj.turns - 1]]
 
 

@@ -1,6 +1,6 @@
 """Pure logic of the trajectory viewer (``scalinginter view``): how an episode row becomes turns and token
 segments, finish labels, filtering / sorting / paging of a step's episodes, phase ranges and an inline SVG
-line chart. No I/O: the web layer (flows/viewer.py) reads Parquet and JSON and calls these."""
+line chart. No I/O: the web layer (flows/viewer/app.py) reads Parquet and JSON and calls these."""
 
 from __future__ import annotations
 

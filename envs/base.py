@@ -142,6 +142,12 @@ _PRESETS: dict[str, str] = {
 
 
 def register_env(name: str, target: str, presets: str | None = None) -> None:
+    """Register an env under ``name`` (``target``: "module:factory", imported when the env is first made). A name
+    already taken by another target (or other presets) is refused; registering the same again is a no-op."""
+    for table, value, what in ((_REGISTRY, target, "factory"), (_PRESETS, presets, "presets")):
+        if value is not None and table.get(name, value) != value:
+            raise ValueError(f"environment {name!r} is already registered with {what} {table[name]!r}; "
+                             f"{value!r} needs another name")
     _REGISTRY[name] = target
     if presets is not None:
         _PRESETS[name] = presets

@@ -35,7 +35,7 @@ from envs.errors import (
     UnknownEnvId,
 )
 
-TOKEN_ENV = "SCALINGINTER_ENV_TOKEN"  # the env servers' shared token (envs.server reads the same variable)
+TOKEN_ENV = "SCALINGINTER_ENV_TOKEN"  # the env servers' shared token (the one definition: envs.server imports it)
 _TOKENS: dict[str, str] = {}  # base URL -> token of the servers this process spawned (envs.spawn registers them)
 
 

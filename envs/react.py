@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Generic, Optional, TypeVar
 
 # Linear time on any input: the prefix class excludes newlines (so a run of blank lines is not rescanned from
 # every line start), runs of spaces/emphasis are one character class each, and the trailing whitespace is
@@ -28,9 +28,15 @@ _ACTION_LINE = re.compile(r"(?:^[ \t\r\f\v>*_#-]*(?i:action)|(?<![A-Za-z0-9])Act
 _STRIP = " \t\"'`*_"
 
 
+A = TypeVar("A")
+
+
 @dataclass(frozen=True)
-class Extracted:
-    action: Optional[str]  # the action text (normalized), or None
+class ParseResult(Generic[A]):
+    """What a parser made of a reply, for every env: the accepted action (an env's own type: the action text,
+    or a structured ``Action``), or None with ``error`` saying why nothing was accepted."""
+
+    action: Optional[A]
     error: Optional[str]  # why no action was taken, or None
 
     @property
@@ -50,24 +56,24 @@ def action_lines(reply: str) -> list[str]:
     return [m.group(1).strip() for m in _ACTION_LINE.finditer(reply or "")]
 
 
-def extract_action(reply: str, normalize: Callable[[str], str] = default_normalize) -> Extracted:
+def extract_action(reply: str, normalize: Callable[[str], str] = default_normalize) -> ParseResult:
     """The one action a reply asks for, or why there is none (see the module doc)."""
     if not isinstance(reply, str) or not reply.strip():
-        return Extracted(None, "the reply is empty; end it with one line 'Action: <action>'")
+        return ParseResult(None, "the reply is empty; end it with one line 'Action: <action>'")
     found = [normalize(a) for a in action_lines(reply)]
     found = [a for a in found if a]
     if found:
         distinct = list(dict.fromkeys(found))
         if len(distinct) > 1:
             shown = ", ".join(repr(a) for a in distinct[:3])
-            return Extracted(None, f"one action per turn, but the reply has {len(distinct)} different Action lines "
+            return ParseResult(None, f"one action per turn, but the reply has {len(distinct)} different Action lines "
                                    f"({shown})")
-        return Extracted(distinct[0], None)
+        return ParseResult(distinct[0], None)
     if action_lines(reply):
-        return Extracted(None, "the Action line is empty")
+        return ParseResult(None, "the Action line is empty")
     lines = [ln for ln in reply.strip().splitlines() if ln.strip()]
     if len(lines) == 1:
         bare = normalize(lines[0])
         if bare:
-            return Extracted(bare, None)
-    return Extracted(None, "no action found; end your reply with one line 'Action: <action>'")
+            return ParseResult(bare, None)
+    return ParseResult(None, "no action found; end your reply with one line 'Action: <action>'")

@@ -14,8 +14,8 @@ import typer
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # hub offline mode unless the command names a hub model (org/name): the embedded default and local folders need no
-# network; `--set model.path=Org/Model` downloads it (tasks.backends.model.hub_offline_default)
-from tasks.backends.model import hub_offline_default  # noqa: E402  (light: no huggingface_hub import)
+# network; `--set model.path=Org/Model` downloads it (runtime.backends.model.hub_offline_default)
+from runtime.backends.model import hub_offline_default  # noqa: E402  (light: no huggingface_hub import)
 
 hub_offline_default(sys.argv)
 
@@ -65,7 +65,8 @@ def run(
             _fail(plan.errors[0] + (f" (and {len(plan.errors) - 1} more)" if len(plan.errors) > 1 else ""))
         typer.echo(f"dry run: {env}{' --preset ' + preset if preset else ''} would start")
         return
-    from flows.scalinginter import check_run_resume, scalinginter
+    from tasks.resume import check_run_resume
+    from flows.scalinginter import scalinginter
 
     if cfg.run_name and not cfg.checkpoint.s3_block:  # (an S3 block's settings are applied inside the flow)
         try:  # a resume the checkpoint's config refuses: one clear message here, not a flow traceback
@@ -138,11 +139,11 @@ def eval_(
     given_options = any(o.split("=", 1)[0].strip().startswith("env.options") for o in set_)
     from core.evalreport import report_text
     from flows.evaluate import EvalInputError, evaluate, log_eval, plot_sweep, write_json
-    from tasks.checkpoint_store import CheckpointCorrupted, CheckpointStoreError
+    from storage.checkpoint_store import CheckpointCorrupted, CheckpointStoreError
 
     import time as _time
 
-    from tasks.console import quiet_console, restore_console
+    from runtime.console import quiet_console, restore_console
 
     # engine and library chatter go to a file (named after the report), our progress lines stay on the console
     log_path = quiet_console(Path(cfg.output_dir) / "eval-logs" / _time.strftime("eval-%Y%m%d-%H%M%S"))
@@ -312,7 +313,7 @@ def compare(
 ):
     """Side-by-side table (final success, reward, turns, wall time, steps) and a PNG of learning curves."""
     from flows.compare import compare_runs
-    from tasks.tracking import default_tracking_uri
+    from storage.tracking import default_tracking_uri
 
     uri = default_tracking_uri("runs", tracking_uri)
     try:
@@ -343,7 +344,7 @@ def view(
     if not runs_dir.is_dir() and not (tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")):
         _fail(f"runs directory {str(runs_dir)!r} not found: pass --runs-dir DIR (a run's output_dir) or "
               "--tracking-uri URI")
-    from flows.viewer import serve
+    from flows.viewer.app import serve
 
     try:
         serve(runs_dir, tracking_uri, host, port, mlflow_ui, token=token)

@@ -15,7 +15,7 @@ from core.preflight import ModelShape, Plan, RunShape, check_run
 def _model_config(ref: str) -> dict:
     """The model's ``config.json``: an embedded default (materialised as an HF folder), a local folder, or a hub id
     (from the hub cache, or the hub when online)."""
-    from tasks.backends.model import resolve_model
+    from runtime.backends.model import resolve_model
 
     path = resolve_model(ref)
     if Path(path).is_dir():
@@ -33,7 +33,7 @@ def machine_memory() -> int | None:
 
 
 def run_shape(cfg: RunConfig) -> RunShape:
-    from tasks.backends.hardware import resolve_vllm_dtype
+    from runtime.backends.hardware import resolve_vllm_dtype
 
     r, a = cfg.rollout, cfg.algo
     turn_limit = max([p.turn_limit for p in cfg.curriculum.phases] + [cfg.eval.turn_limit or 0])

@@ -72,8 +72,8 @@ class EvalInputError(ValueError):
 
 def check_ref(ref: str, what: str = "checkpoint") -> None:
     """A model reference must be an embedded model, an s3:// URI or a local checkpoint / HF folder."""
-    from tasks.backends.model import EMBEDDED
-    from tasks.checkpoint_store import is_s3_uri
+    from runtime.backends.model import EMBEDDED
+    from storage.checkpoint_store import is_s3_uri
 
     if ref in EMBEDDED or is_s3_uri(ref):
         return
@@ -175,7 +175,7 @@ def evaluate(cfg: RunConfig, checkpoint_ref: str, split: str = "test", n: int = 
     greedy = samples == 1 and temperature == 0
     header = _header(cfg, split, ids, samples, greedy, temperature, turn_limits, max_new, source)
     print(header)
-    from tasks.backends.vllm_backend import keep_engines
+    from runtime.backends.vllm_backend import keep_engines
 
     with keep_engines():  # one engine for both models; an enclosing run's scope keeps it up after this
         sweeps = evaluate_models(cfg, model_dirs, ids, turn_limits, samples, float(temperature), max_new, seed,
@@ -232,7 +232,7 @@ def _check_inputs(samples: int, turn_limits: list[int] | None, temperature: floa
 
 def _model_dirs(cfg: RunConfig, checkpoint_ref: str, compare_ref: str | None) -> dict[str, str]:
     """The local folders of the model (and the one to compare with, which must share its tokenizer)."""
-    from flows.scalinginter import local_model_dir
+    from tasks.runs import local_model_dir
 
     model_dirs = {"model": local_model_dir(cfg, checkpoint_ref)}
     if compare_ref is not None:
@@ -308,7 +308,7 @@ def log_eval(doc: dict[str, Any], cfg: RunConfig, run_id: str | None = None, exp
     ``.../pass_at_<k>``, ``compare/diff``, ``compare/p_value``) so MLflow draws the budget sweep; the flat numbers
     of the model at its largest budget (``success_rate``, ...); the document as ``eval/eval.json``. Returns the
     run id."""
-    from tasks.tracking import Tracker, default_tracking_uri
+    from storage.tracking import Tracker, default_tracking_uri
 
     uri = default_tracking_uri(cfg.output_dir, tracking_uri or cfg.tracking.uri)
     tracker = Tracker(uri, experiment, artifact_root=Path(cfg.output_dir).resolve() / "mlartifacts")

@@ -46,7 +46,7 @@ class NightlySettings(BaseModel):
 
 
 def latest_version(client: Any, env: str) -> Any | None:
-    from tasks.tracking import registered_model_name
+    from storage.tracking import registered_model_name
 
     try:
         mvs = client.search_model_versions(f"name='{registered_model_name(env)}'",
@@ -70,7 +70,7 @@ def previous_night_run(client: Any, experiment_id: str, env: str) -> Any | None:
 
 def previous_version(client: Any, env: str, version: Any) -> Any | None:
     """The registered version before ``version`` (None if there is none)."""
-    from tasks.tracking import registered_model_name
+    from storage.tracking import registered_model_name
 
     try:
         mvs = client.search_model_versions(f"name='{registered_model_name(env)}'",
@@ -120,9 +120,9 @@ def nightly_eval(env: str = "babyai", settings: NightlySettings = NightlySetting
         env: Environment whose latest registered model version (scalinginter-<env>) is evaluated.
         settings: Number of test tasks, turn limit, regression metric and tolerance, MLflow location.
     """
-    from flows.scalinginter import local_model_dir
+    from tasks.runs import local_model_dir
     from tasks.artifacts import artifact_key, publish_markdown
-    from tasks.tracking import Tracker, default_tracking_uri, registered_model_name
+    from storage.tracking import Tracker, default_tracking_uri, registered_model_name
 
     s = settings
     uri = default_tracking_uri(s.output_dir, s.tracking_uri)

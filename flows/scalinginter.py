@@ -15,178 +15,39 @@ metrics.jsonl is cut back to the position, MLflow steps that have a value are no
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
-import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from prefect import flow
 
 from core.config import RunConfig
-from core.redact import redact, redact_uri
-from core.curriculum import Gate, GateState, Phase, gate_update, phase_start, total_steps, turn_limit_at
-from core.fingerprint import ResumeMismatch, check_resume, default_values, fingerprint
-from core.records import kept_metric_lines
-from core.metrics import step_diagnostics
-from flows.config import build_config
-from core.walltime import format_breakdown
+from core.curriculum import Gate, GateState, phase_start, total_steps
 from core.evalreport import SCHEMA as EVAL_SCHEMA
 from core.evalreport import BUCKETS, bucket_rates, compare_models, flat_metrics, format_p
+from core.redact import redact_uri
+from core.walltime import format_breakdown
+from flows.config import build_config
+from runtime import timing
+from runtime.console import quiet_console, restore_console
+from runtime.killpoint import kill_point
+from storage.checkpoint_store import checkpoint_exists
+from storage.tracking import Tracker
 from tasks import steps as T
-from tasks import timing
-from tasks.console import quiet_console, restore_console
-from tasks.killpoint import kill_point
-from tasks.checkpoint_store import (
-    CheckpointCorrupted,
-    checkpoint_exists,
-    delete_checkpoint,
-    is_s3_uri,
-    join_uri,
-    list_checkpoints,
-    load_checkpoint,
-    read_latest,
-    write_latest,
+from tasks.recording import PhaseCheckpoints, StepRecorder, _phase_artifact, fmt
+from tasks.resume import (
+    PhasePlan,
+    PhaseProgress,
+    check_config,
+    check_run_resume,
+    checkpoint_state,
+    final_position,
+    inject_fault,
+    resume_source,
 )
-from tasks.tracking import Tracker, default_tracking_uri
+from tasks.runs import local_model_dir, make_tracker, recorded_config, resolve_run, run_dir, write_run_config
 
-
-def resolve_run(cfg: RunConfig) -> RunConfig:
-    """Give an unnamed run a name. Inside a Prefect flow run the name derives from the flow run (its name
-    and id stay the same when the run is retried from the UI, so a retry finds and resumes the same run)."""
-    if cfg.run_name:
-        return cfg
-    from prefect.runtime import flow_run
-
-    fr_id, fr_name = flow_run.get_id(), flow_run.get_name()
-    if fr_id and fr_name:
-        suffix = f"{fr_name}-{str(fr_id)[:8]}"
-    else:
-        suffix = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return cfg.model_copy(update={"run_name": f"{cfg.env.name}-{cfg.preset or 'custom'}-{suffix}"})
-
-
-def run_dir(cfg: RunConfig) -> Path:
-    d = Path(cfg.output_dir).resolve() / cfg.run_name
-    d.mkdir(parents=True, exist_ok=True)
-    return d
-
-
-def recorded_config(cfg: RunConfig) -> dict[str, Any]:
-    """The config as a run records it (config.json, MLflow params, trainer_state.json): URI credentials redacted."""
-    return redact(cfg.model_dump(mode="json"))
-
-
-def write_run_config(rd: Path, cfg: RunConfig) -> Path:
-    path = rd / "config.json"
-    path.write_text(json.dumps(recorded_config(cfg), indent=2))
-    return path
-
-
-def checkpoint_root(cfg: RunConfig) -> str:
-    root = cfg.checkpoint.root or str(Path(cfg.output_dir).resolve() / "checkpoints")
-    return join_uri(root, cfg.run_name)
-
-
-def cache_dir(cfg: RunConfig) -> Path:
-    return Path(cfg.output_dir).resolve() / ".checkpoint-cache"
-
-
-def make_tracker(cfg: RunConfig) -> Tracker:
-    uri = default_tracking_uri(cfg.output_dir, cfg.tracking.uri)
-    return Tracker(uri, cfg.tracking.experiment, artifact_root=Path(cfg.output_dir).resolve() / "mlartifacts")
-
-
-def local_model_dir(cfg: RunConfig, ref: str) -> str:
-    """A local HF folder for a model reference or a checkpoint URI. A checkpoint (local or S3) is verified against
-    its manifest — sizes and sha256 of every file — on every load: a damaged file raises CheckpointCorrupted
-    naming it."""
-    from tasks.backends.model import resolve_model
-
-    if is_s3_uri(ref) or (Path(ref) / "manifest.json").exists():
-        return str(load_checkpoint(ref, cache_dir(cfg), verify_sha256=True))
-    return resolve_model(ref)
-
-
-def resume_source(cfg: RunConfig, plan: "PhasePlan", init_ref: str) -> tuple[str, str, bool]:
-    """(ref, local dir, resumed?): the newest intact checkpoint of the phase — the one its pointer names, then
-    older step checkpoints — else the previous phase's result ``init_ref``. A corrupted or truncated checkpoint
-    is skipped with a warning naming the file, and the previous complete one is used."""
-    pointed = read_latest(plan.phase_uri)
-    candidates = [pointed] if pointed and checkpoint_exists(pointed) else []
-    for uri in reversed(list_checkpoints(plan.phase_uri)):  # newest step first
-        if uri.rstrip("/").rsplit("/", 1)[-1].startswith("step-") and uri.rstrip("/") not in {
-                c.rstrip("/") for c in candidates}:
-            candidates.append(uri)
-    for uri in candidates:
-        try:
-            return uri, local_model_dir(cfg, uri), True
-        except CheckpointCorrupted as e:
-            print(f"warning: phase {plan.phase}: checkpoint {uri} is damaged ({e.reason}); falling back to the "
-                  "previous complete checkpoint of the phase")
-    return init_ref, local_model_dir(cfg, init_ref), False
-
-
-def checkpoint_state(cfg: RunConfig, uri: str) -> dict[str, Any]:
-    """The trainer_state.json of a complete checkpoint ({} when it has none). A local one is read in place; an
-    S3 one is loaded (verified) into the cache, where the resume or evaluation that follows finds it."""
-    d = Path(uri) if not is_s3_uri(uri) else Path(local_model_dir(cfg, uri))
-    path = d / "trainer_state.json"
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def check_config(cfg: RunConfig, state: dict[str, Any], checkpoint: str) -> None:
-    """Refuse to continue ``checkpoint`` (its trainer state ``state``) under a training config that differs
-    from the one it was made with, unless every changed key is in ``resume.allow_changes``."""
-    chk = check_resume(state.get("fingerprint"), fingerprint(recorded_config(cfg)), cfg.resume.allow_changes,
-                       defaults=default_values())
-    if chk.unchecked:
-        print(f"warning: checkpoint {checkpoint} has no config fingerprint (written by an older version); "
-              "resuming without checking that the training config is the same")
-    if chk.refused:
-        raise ResumeMismatch(cfg.run_name or "", checkpoint, chk.refused)
-    if chk.allowed:
-        print(f"resuming from {checkpoint} with allowed config changes (resume.allow_changes): "
-              + "; ".join(str(c) for c in chk.allowed))
-
-
-def check_run_resume(cfg: RunConfig) -> None:
-    """Before a run writes anything: the newest checkpoint of the run (a phase's final or step checkpoint, last
-    phase first) must have been made with the same training config (``check_config``). A damaged one is left
-    to the phase's own resume, which falls back past it."""
-    for k in range(len(cfg.curriculum.phases), 0, -1):
-        plan = PhasePlan.of(cfg, k)
-        uri = plan.final_uri if checkpoint_exists(plan.final_uri) else read_latest(plan.phase_uri)
-        if uri and checkpoint_exists(uri):
-            try:
-                state = checkpoint_state(cfg, uri)
-            except (CheckpointCorrupted, ValueError):
-                continue
-            check_config(cfg, state, uri)
-            return
-
-
-FAULT_ENV = "SCALINGINTER_FAULT_AFTER_STEP"
-
-
-def inject_fault(global_step: int) -> None:
-    """Test hook, outside the run config: with ``$SCALINGINTER_FAULT_AFTER_STEP=N`` the run fails right after
-    global step N's checkpoint (to try resume and the Prefect UI's Retry)."""
-    raw = os.environ.get(FAULT_ENV, "").strip()
-    if not raw:
-        return
-    try:
-        n = int(raw)
-    except ValueError:
-        raise ValueError(f"{FAULT_ENV}={raw!r} is not a step number: set it to a global step (e.g. 2) or unset it") from None
-    if global_step == n:
-        raise RuntimeError(f"fault injection: failing after global step {global_step} ({FAULT_ENV}={n})")
-
-
-def fmt(metrics: dict[str, float], keys: list[str]) -> str:
-    return " | ".join(f"{k} {metrics[k]:.3g}" for k in keys if k in metrics)
 
 
 # --- phase flow ------------------------------------------------------------------------------------------
@@ -213,6 +74,7 @@ def phase_flow(config: RunConfig, phase: int, init_ref: str, parent_run_id: str 
             upd = T.policy_update(key, batch, adv)
             rec.step(i, gstep, limit, batch, adv, upd, time.time() - t0)
             last = prog.advance(i, batch.metrics, rec)
+            del batch, adv  # spent: the next rollout runs without this step's episodes and log-probs in memory
             ckpt.save_if_due(i, last, prog.trainer_state(i, limit))
             inject_fault(gstep + 1)
             if last:
@@ -224,75 +86,6 @@ def phase_flow(config: RunConfig, phase: int, init_ref: str, parent_run_id: str 
             tracker.end_run(run_id, status)
         if key is not None:
             T.close_session(key)
-
-
-@dataclass(frozen=True)
-class PhasePlan:
-    """Where a phase sits in the curriculum and where its checkpoints go."""
-
-    phase: int  # 1-based
-    turn_limit: int
-    steps: int  # the phase's length (gated: its maximum)
-    start: int  # global step of its first step (gated: the checkpoint's position wins)
-    phases: tuple[Phase, ...]
-    gated: bool
-    root: str  # <checkpoint root>/<run>
-    phase_uri: str
-    final_uri: str
-
-    @classmethod
-    def of(cls, cfg: RunConfig, phase: int) -> "PhasePlan":
-        phases = cfg.curriculum.as_phases()
-        ph, root = phases[phase - 1], checkpoint_root(cfg)
-        phase_uri = join_uri(root, f"phase-{phase}")
-        return cls(phase, ph.turn_limit, ph.steps, phase_start(phases, phase - 1), tuple(phases),
-                   cfg.curriculum.mode == "gated", root, phase_uri, join_uri(phase_uri, "final"))
-
-    def limit_at(self, global_step: int) -> int:
-        """steps mode: the curriculum is a pure function of the global step; gated: of the phase."""
-        return self.turn_limit if self.gated else turn_limit_at(list(self.phases), global_step)
-
-    def params(self) -> dict[str, Any]:
-        return {"phase": self.phase, "turn_limit": self.turn_limit, "steps": self.steps, "start_step": self.start}
-
-    def registry_tags(self, cfg: RunConfig, global_step: int) -> dict[str, str]:
-        return {"phase": str(self.phase), "turn_limit": str(self.turn_limit), "run_name": cfg.run_name,
-                "global_step": str(global_step)}
-
-
-@dataclass
-class PhaseProgress:
-    """The resume position (phase steps done, the phase's first global step) and the gate's bookkeeping."""
-
-    plan: PhasePlan
-    cfg: RunConfig
-    done: int = 0
-    start: int = 0
-    gate: Gate | None = None
-    gstate: GateState = field(default_factory=GateState)
-    reason: str | None = None  # why a gated phase ended
-
-    def advance(self, i: int, roll: dict[str, float], rec: "StepRecorder") -> bool:
-        """Phase step ``i`` is done; True when the phase ends after it (its last step, or the gate closed)."""
-        self.done = i + 1
-        if self.gate is None:
-            return self.done == self.plan.steps
-        self.gstate, self.reason = gate_update(self.gate, self.gstate, float(roll.get("success_rate", 0.0)),
-                                               self.plan.steps)
-        if self.reason is not None:
-            rec.transition(self.start + self.done, self.done, self.reason, self.gstate)
-        return self.reason is not None or self.done == self.plan.steps
-
-    def trainer_state(self, i: int, limit: int) -> dict[str, Any]:
-        state = {"global_step": self.start + i + 1, "phase": self.plan.phase, "phase_step": i + 1,
-                 "turn_limit": limit, "run_name": self.cfg.run_name,
-                 "config": recorded_config(self.cfg),  # no URI credentials in checkpoints
-                 "fingerprint": fingerprint(recorded_config(self.cfg))}  # what a resume must match
-        if self.gate is not None:
-            state["gate"] = self.gstate.to_dict()
-            if self.reason is not None:
-                state["gate_reason"] = self.reason
-        return state
 
 
 def open_phase(cfg: RunConfig, plan: PhasePlan, init_ref: str) -> tuple[str, PhaseProgress]:
@@ -322,7 +115,7 @@ def open_phase(cfg: RunConfig, plan: PhasePlan, init_ref: str) -> tuple[str, Pha
 def finish_phase(cfg: RunConfig, plan: PhasePlan, tracker: Tracker, run_id: str, prog: PhaseProgress,
                  metrics: dict[str, float] | None) -> str:
     """Register the phase's final checkpoint as a model version and publish the phase's artifact."""
-    kill_point("register")  # test hook (tasks.killpoint): a no-op unless $SCALINGINTER_KILL_AT names it
+    kill_point("register")  # test hook (runtime.killpoint): a no-op unless $SCALINGINTER_KILL_AT names it
     tracker.set_tag(run_id, "scalinginter.final_checkpoint", plan.final_uri)
     version = tracker.register_checkpoint(cfg.env.name, plan.final_uri, run_id,
                                           plan.registry_tags(cfg, prog.start + prog.done))
@@ -354,143 +147,6 @@ def finished_phase(cfg: RunConfig, plan: PhasePlan, parent_run_id: str | None) -
     return plan.final_uri
 
 
-def final_position(plan: PhasePlan, state: dict[str, Any]) -> tuple[int, int]:
-    """(global step, phase steps done) of a phase's final checkpoint: its own trainer state's (a gated phase
-    ends early, so the plan's ``start + steps`` is only the fallback for a checkpoint without one)."""
-    try:
-        return int(state["global_step"]), int(state.get("phase_step", plan.steps))
-    except (KeyError, TypeError, ValueError):
-        return plan.start + plan.steps, plan.steps
-
-
-class StepRecorder:
-    """Where a step's results go: the phase's MLflow run (and the parent's headline metrics), metrics.jsonl,
-    sample trajectories as an MLflow artifact, every episode as Parquet, and one printed line.
-
-    Each global step is recorded once, also when it runs again after a resume (core.records): opening at
-    ``position`` (the global step the phase resumes from) cuts metrics.jsonl back to it, MLflow metrics are
-    logged only at steps that have no value yet, Parquet files and artifacts are replaced by name."""
-
-    HEADLINE = ("mean_reward", "success_rate", "mean_turns")
-
-    def __init__(self, cfg: RunConfig, plan: PhasePlan, tracker: Tracker, run_id: str, parent_run_id: str | None,
-                 position: int = 0):
-        self.cfg, self.plan, self.tracker, self.run_id, self.parent_run_id = cfg, plan, tracker, run_id, parent_run_id
-        self.dir = run_dir(cfg)
-        self.last_metrics: dict[str, float] | None = None
-        trim_metrics_file(self.dir / "metrics.jsonl", position)
-
-    def step(self, i: int, gstep: int, limit: int, batch: T.Batch, adv: T.Advantages, upd: dict[str, float],
-             step_time_s: float) -> dict[str, float]:
-        cfg, plan, roll, trajs = self.cfg, self.plan, batch.metrics, batch.trajectories
-        metrics = {**roll, **adv.stats, **{f"train/{k}": v for k, v in upd.items()}, "turn_limit": float(limit),
-                   "step_time_s": step_time_s, **step_diagnostics(trajs, adv.advantages, limit)}
-        self.tracker.log_metrics_once(self.run_id, metrics, step=gstep)
-        if self.parent_run_id:
-            self.tracker.log_metrics_once(self.parent_run_id, {k: metrics[k] for k in self.HEADLINE}, step=gstep)
-        if cfg.tracking.log_trajectories:
-            self.tracker.log_text(self.run_id, T.trajectories_text(trajs, cfg.tracking.log_trajectories),
-                                  f"trajectories/step-{gstep + 1:06d}.json")
-        with open(self.dir / "metrics.jsonl", "a") as fh:
-            fh.write(json.dumps({"global_step": gstep + 1, "phase": plan.phase, **metrics}) + "\n")
-        T.write_rollout_parquet(trajs, self.dir / "rollouts" / f"step-{gstep + 1:06d}.parquet", plan.phase, gstep)
-        print(f"phase {plan.phase}/{len(plan.phases)} step {i + 1}/{plan.steps} (global {gstep + 1}/"
-              f"{total_steps(list(plan.phases))}) turns<={limit} | episodes {int(roll['episodes'])} | "
-              + fmt(metrics, ["mean_reward", "success_rate", "mean_turns", "gen_tokens_per_s",
-                              "env_steps_per_s", "train/loss", "train/kl", "train/entropy"])
-              + _diag_text(metrics) + f" | {step_time_s:.1f}s", flush=True)
-        self.last_metrics = metrics
-        return metrics
-
-    def transition(self, global_step: int, phase_steps: int, reason: str, gstate: GateState) -> None:
-        """A gated phase ended: an MLflow event (metric + tags + JSON artifact) on the phase and parent runs."""
-        phase = self.plan.phase
-        event = {"event": "phase_transition", "phase": phase, "global_step": global_step,
-                 "phase_steps": phase_steps, "reason": reason, "smoothed_success": gstate.best,
-                 "history": list(gstate.history)}
-        print(f"phase {phase}: gated transition after {phase_steps} steps ({reason}; "
-              f"best smoothed success {gstate.best:.3f})")
-        for rid in filter(None, (self.run_id, self.parent_run_id)):
-            self.tracker.log_metrics_once(rid, {"curriculum/transition_phase": float(phase)}, step=global_step)
-            self.tracker.set_tag(rid, f"scalinginter.phase_{phase}.end", f"{reason} at step {global_step}")
-        self.tracker.log_text(self.run_id, json.dumps(event, indent=2), f"events/phase-{phase}-transition.json")
-
-
-def _diag_text(m: dict[str, float]) -> str:
-    """The step line's short stability part: invalid and repeated actions, turns used of the limit, groups
-    without signal (``core.metrics.step_diagnostics``)."""
-    parts = [(label, m.get(key)) for label, key in (("inv", "diag/invalid_action_rate"),
-                                                    ("rep", "diag/repeated_action_rate"),
-                                                    ("used", "diag/turns_used_frac"),
-                                                    ("0-adv", "diag/zero_adv_group_frac"))]
-    parts = [f"{label} {v:.2f}" for label, v in parts if v is not None]
-    return f" | {' '.join(parts)}" if parts else ""
-
-
-def trim_metrics_file(path: Path, position: int) -> None:
-    """Drop the lines of ``metrics.jsonl`` after global step ``position`` (steps about to run again) and any
-    torn line; rewritten atomically (temporary file, then rename), and only when something is dropped."""
-    if not path.exists():
-        return
-    lines = path.read_text().splitlines()
-    kept = kept_metric_lines(lines, position)
-    if len(kept) == len(lines):
-        return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
-    print(f"{path}: dropped {len(lines) - len(kept)} line(s) after global step {position} (they run again)")
-
-
-class PhaseCheckpoints:
-    """Step checkpoints every ``checkpoint.every_n_steps`` and the phase's final one; the phase pointer (or the
-    run's ``latest`` for a final) moves to each, and the superseded step checkpoint is pruned after."""
-
-    def __init__(self, cfg: RunConfig, plan: PhasePlan, key: str):
-        self.cfg, self.plan, self.key = cfg, plan, key
-
-    def save_if_due(self, i: int, last: bool, state: dict[str, Any]) -> str | None:
-        if not (last or (i + 1) % self.cfg.checkpoint.every_n_steps == 0):
-            return None
-        prev = read_latest(self.plan.phase_uri)
-        if last:
-            out = T.save_step_checkpoint(self.key, self.plan.final_uri, state)
-            write_latest(self.plan.root, out)
-        else:
-            out = T.save_step_checkpoint(self.key, join_uri(self.plan.phase_uri, f"step-{i + 1:06d}"), state,
-                                         latest_of=self.plan.phase_uri)
-        _prune(self.cfg, prev, out)
-        return out
-
-
-def _phase_artifact(cfg: RunConfig, phase: int, steps_done: int, global_step: int,
-                    metrics: dict[str, float] | None, uri: str, run_id: str | None, note: str = "") -> None:
-    from tasks.artifacts import artifact_key, phase_markdown, publish_markdown
-
-    phases = cfg.curriculum.as_phases()
-    md = phase_markdown(cfg.run_name, phase, len(phases), phases[phase - 1].turn_limit, steps_done,
-                        phases[phase - 1].steps, global_step, metrics, uri, run_id, note)
-    publish_markdown(artifact_key(cfg.run_name, f"phase-{phase}"), md,
-                     f"ScalingInter {cfg.run_name} phase {phase}: steps, reward, success, turns, checkpoint")
-
-
-def _prune(cfg: RunConfig, prev: str | None, current: str) -> None:
-    """Delete the superseded step checkpoint ``prev`` (local or S3) once ``current`` is complete.
-
-    Called only after ``current`` and the pointer to it are written, so a crash at any point leaves a
-    complete checkpoint to resume from. Phase finals are never pruned (they are registered models).
-    """
-    if cfg.checkpoint.keep_step_checkpoints or not prev or prev == current:
-        return
-    if not prev.rstrip("/").rsplit("/", 1)[-1].startswith("step-"):
-        return
-    try:
-        delete_checkpoint(prev)
-    except Exception as exc:  # noqa: BLE001 - disk space is not worth failing a finished step over
-        print(f"warning: could not delete the superseded checkpoint {prev}: {exc}")
-
-
-# --- evaluation ------------------------------------------------------------------------------------------
 def evaluate_model(cfg: RunConfig, ref: str, n: int | None = None, turn_limit: int | None = None,
                    episodes_path: Path | None = None) -> dict[str, Any]:
     """The held-out evaluation document (flows.evaluate; greedy, the run's env options) of a model. Before and
@@ -566,7 +222,7 @@ def scalinginter(config: RunConfig | None = None, env: str = "babyai", preset: s
     """
     cfg = resolve_run(config or build_config(env, preset, overrides))
     if cfg.checkpoint.s3_block:
-        from tasks.s3_block import apply_s3_block
+        from storage.s3_block import apply_s3_block
 
         print(f"S3 settings from Prefect block {cfg.checkpoint.s3_block!r}: {', '.join(apply_s3_block(cfg.checkpoint.s3_block))}")
     phases = cfg.curriculum.as_phases()
@@ -585,7 +241,7 @@ def scalinginter(config: RunConfig | None = None, env: str = "babyai", preset: s
         print(f"engine, transformers, DeepSpeed, MLflow and Prefect logs: {log_path} (SCALINGINTER_VERBOSE=1 shows "
               "them here)")
     status = "FAILED"
-    from tasks.backends.vllm_backend import keep_engines
+    from runtime.backends.vllm_backend import keep_engines
 
     engines = keep_engines().open()  # one vLLM engine for the run: phases and evaluations reuse it
     try:

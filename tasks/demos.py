@@ -1,12 +1,12 @@
 """Expert demonstrations through the real env and the rollout's own chat framing, and the behaviour-cloning warm
 start built on them (``scalinginter warmstart``).
 
-A demonstration is an ordinary rollout (``tasks.rollout.rollout``) whose generation backend is the env's scripted
+A demonstration is an ordinary rollout (``runtime.rollout.rollout``) whose generation backend is the env's scripted
 expert (``envs/<env>/contract.py: expert_action(observation, info)``): ``ExpertEpisode`` wraps each episode's env
 session and asks the expert for the next reply after every reset and step; ``ExpertBackend`` answers the rollout's
 generate call with that reply, tokenized as a model would have sampled it (``Action: <action>`` + EOS, cut at the
 turn's token cap like a sampled reply). To know which episode a prompt belongs to, the backend inverts the
-rollout's per-episode-turn sampling seeds (``tasks.rollout.episode_seed``): the demo rollout gives every
+rollout's per-episode-turn sampling seeds (``runtime.rollout.episode_seed``): the demo rollout gives every
 episode-turn its own seed, so each prompt's seed names its episode and turn. Token ids, loss mask, turn offsets,
 rewards and finish reasons are therefore exactly what the rollout builds for a model that replied with the
 expert's text (``tests/test_demos.py`` checks it against a rollout with a scripted model).
@@ -26,8 +26,8 @@ from typing import Any, Callable
 from core.demos import action_reply
 from core.redact import redact
 from core.trajectory import Trajectory
-from tasks.backends.generation import Generation, SamplingParams
-from tasks.rollout import EnvReply, EpisodeEnv, EpisodeSpec, RolloutRequest, RolloutRuntime, episode_seed, rollout
+from runtime.backends.generation import Generation, SamplingParams
+from runtime.rollout import EnvReply, EpisodeEnv, EpisodeSpec, RolloutRequest, RolloutRuntime, episode_seed, rollout
 
 Expert = Callable[[str, dict], "str | None"]
 
@@ -150,7 +150,6 @@ async def collect_demos_async(task_ids: list[int], make_env: Callable[[int], Epi
     reasons: dict[str, int] = {}
     for t in trajs:
         reasons[t.finish_reason] = reasons.get(t.finish_reason, 0) + 1
-        t.info["demo"] = True
     keep = [t for i, t in enumerate(trajs) if t.success and not t.masked and i not in pending.gave_up]
     return DemoResult(keep, list(task_ids), len(trajs), len(keep), len(pending.gave_up), reasons, time.time() - t0)
 
@@ -180,10 +179,10 @@ def warmstart(cfg: Any, demos: int, epochs: int, lr: float, out: str | Path, bat
     ``trainer_state.json`` whose config gives ``scalinginter eval`` the env options). Returns the record."""
     from core.chat import ChatFormat
     from envs.base import make_env
-    from tasks.backends.hardware import resolve_bf16
-    from tasks.backends.learner import LearnerConfig, TorchLearner
-    from tasks.backends.model import resolve_model
-    from tasks.env_sessions import local_factory
+    from runtime.backends.hardware import resolve_bf16
+    from runtime.backends.learner import LearnerConfig, TorchLearner
+    from runtime.backends.model import resolve_model
+    from runtime.env_sessions import local_factory
 
     if isinstance(demos, bool) or int(demos) != demos or demos < 1:
         raise DemoError(f"--demos must be a whole number >= 1, got {demos!r}")

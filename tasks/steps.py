@@ -5,7 +5,7 @@ Only live handles (the learner's models, the generation engine, env server proce
 ``rollout_batch`` returns the step's ``Batch``, ``compute_advantages(key, batch)`` returns its ``Advantages``
 (with the learner's prepared log-probs), ``policy_update(key, batch, adv)`` takes both (in-process Prefect
 results with persistence off carry Python objects). Step checkpoints are written to local disk or S3 via
-``tasks.checkpoint_store``.
+``storage.checkpoint_store``.
 """
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ from core.redact import redact_uri
 from core.chat import ChatFormat
 from core.config import RunConfig
 from core.metrics import episode_metrics
+from core.seeds import step_seed
 from core.trajectory import Trajectory, join_rows, split_rows, turn_samples
 from envs.base import task_index
-from tasks.killpoint import kill_point
-from tasks.timing import timed
+from runtime.killpoint import kill_point
+from runtime.timing import timed
 
 TASK_OPTS = dict(cache_policy=NO_CACHE, persist_result=False)
 
@@ -70,7 +71,7 @@ class Advantages:
     stats: dict[str, float]
 
 
-PROGRESS_EVERY_S = 15.0  # rollout progress: the first turn's line, later turns' at most this often (none once all ended)
+PROGRESS_LINE_EVERY_S = 15.0  # rollout progress: the first turn's line, later turns' at most this often (none once all ended)
 
 _SESSIONS: dict[str, Session] = {}
 
@@ -131,9 +132,9 @@ def open_session(cfg: RunConfig, model_dir: str, train: bool, reference_dir: str
     """Load models into a new in-process session. ``model_dir`` is a local HF folder."""
     import torch
 
-    from tasks.backends.generation import TransformersBackend
-    from tasks.backends.hardware import resolve_bf16
-    from tasks.backends.learner import LearnerConfig, TorchLearner, load_causal_lm
+    from runtime.backends.generation import TransformersBackend
+    from runtime.backends.hardware import resolve_bf16
+    from runtime.backends.learner import LearnerConfig, TorchLearner, load_causal_lm
 
     _threads(cfg)
     torch.manual_seed(cfg.seed)
@@ -151,7 +152,7 @@ def open_session(cfg: RunConfig, model_dir: str, train: bool, reference_dir: str
                            critic_path=local_critic_path(a.critic.model), critic_lr=a.critic.lr or 1e-5,
                            value_clip=a.critic.value_clip, share_prefix=a.share_prefix, device=cfg.model.device)
         if cfg.learner.engine == "deepspeed":
-            from tasks.backends.deepspeed_learner import make_learner
+            from runtime.backends.deepspeed_learner import make_learner
 
             s.learner = make_learner(model_dir, lc, reference_dir, cfg.learner)
         else:
@@ -162,14 +163,14 @@ def open_session(cfg: RunConfig, model_dir: str, train: bool, reference_dir: str
 
         s.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         if cfg.rollout.backend == "transformers":
-            from tasks.backends.hardware import resolve_device
+            from runtime.backends.hardware import resolve_device
 
             s.model = load_causal_lm(model_dir, resolve_device(cfg.model.device))
             s.model.eval()
     pad = s.tokenizer.pad_token_id if s.tokenizer.pad_token_id is not None else s.tokenizer.eos_token_id
     s.chat = ChatFormat.from_tokenizer(s.tokenizer, cfg.env.prompt)
     if cfg.rollout.backend == "vllm":  # the process's kept engine (this session's weights loaded) or a new one
-        from tasks.backends.vllm_backend import backend_for
+        from runtime.backends.vllm_backend import backend_for
 
         s.backend = backend_for(cfg, model_dir, s.tokenizer, s.learner)
     else:
@@ -190,7 +191,7 @@ def close_session(key: str) -> None:
         except Exception:  # noqa: BLE001
             pass
     if s.backend is not None and s.cfg.rollout.backend == "vllm":  # kept for the next session in a keep_engines scope
-        from tasks.backends.vllm_backend import release_backend
+        from runtime.backends.vllm_backend import release_backend
 
         try:
             release_backend(s.backend)
@@ -207,7 +208,7 @@ def close_session(key: str) -> None:
 
 # --- data position: tasks are a pure function of (seed, global step) ---------------------------------
 def train_tasks_for_step(cfg: RunConfig, global_step: int) -> list[int]:
-    rng = random.Random(cfg.seed * 1_000_003 + global_step)
+    rng = random.Random(step_seed(cfg.seed, global_step))
     pool = cfg.env.task_pool
     n = cfg.rollout.tasks_per_step
     return rng.sample(range(pool), n) if n <= pool else [rng.randrange(pool) for _ in range(n)]
@@ -240,9 +241,9 @@ def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, tur
              seed: int | None = None, specs: list[Any] | None = None,
              after_turn: Callable[[int], None] | None = None) -> tuple[list[Trajectory], dict[str, float]]:
     from envs.agentgym import make_async_client
-    from tasks.backends.generation import SamplingParams
-    from tasks.env_sessions import PooledEpisode, ServerSlots
-    from tasks.rollout import RolloutRequest, RolloutRuntime, rollout
+    from runtime.backends.generation import SamplingParams
+    from runtime.env_sessions import PooledEpisode, ServerSlots
+    from runtime.rollout import RolloutRequest, RolloutRuntime, rollout
 
     params = SamplingParams(max_new_tokens, temperature, s.cfg.rollout.top_p)
     if specs is None:
@@ -278,11 +279,11 @@ def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, tur
 
             last_print = [time.monotonic()]
 
-            def on_round(rnd, live, st):  # the console stays short: see PROGRESS_EVERY_S
+            def on_round(rnd, live, st):  # the console stays short: see PROGRESS_LINE_EVERY_S
                 if after_turn is not None:
                     after_turn(rnd)
                 now = time.monotonic()
-                if rnd > 1 and (live == 0 or now - last_print[0] < PROGRESS_EVERY_S):
+                if rnd > 1 and (live == 0 or now - last_print[0] < PROGRESS_LINE_EVERY_S):
                     return
                 last_print[0] = now
                 # episodes, not turns: with a live cap (or per-episode async turns) the rounds outnumber the turn limit
@@ -314,17 +315,16 @@ def rollout_batch(key: str, urls: list[str], global_step: int, turn_limit: int) 
     tasks = train_tasks_for_step(s.cfg, global_step)
     reported: list[int] = []
 
-    def after_turn(rnd: int) -> None:  # test hook (tasks.killpoint): one arrival per step, at its first progress report
+    def after_turn(rnd: int) -> None:  # test hook (runtime.killpoint): one arrival per step, at its first progress report
         if not reported:
             reported.append(rnd)
             kill_point("rollout")
 
     trajs, metrics = _rollout(s, urls, tasks, r.samples_per_task, turn_limit, r.temperature, r.max_new_tokens,
-                              f"step {global_step + 1}", seed=s.cfg.seed * 1_000_003 + global_step,
+                              f"step {global_step + 1}", seed=step_seed(s.cfg.seed, global_step),
                               after_turn=after_turn)
     for t in trajs:
-        t.info["global_step"] = global_step
-        t.info["turn_limit"] = turn_limit
+        t.turn_limit = turn_limit
     metrics["max_turns_seen"] = float(max((t.turns for t in trajs), default=0))
     return Batch(trajs, metrics)
 
@@ -332,7 +332,7 @@ def rollout_batch(key: str, urls: list[str], global_step: int, turn_limit: int) 
 def local_critic_path(ref: str | None) -> str | None:
     if ref is None:
         return None
-    from tasks.backends.model import resolve_model
+    from runtime.backends.model import resolve_model
 
     return resolve_model(ref)
 
@@ -361,8 +361,6 @@ def compute_advantages(key: str, batch: Batch) -> Advantages:
         kl=per_token("kl") if spec.kl_in_reward else None,
         final_values=_last_sample_values(s.learner.final_values(samples, prepared), where, len(trajs))
         if spec.needs_critic else None)
-    for t, adv in zip(trajs, advantages):  # kept with the episode: the rollout Parquet stores what was trained on
-        t.info["advantages"] = adv
     return Advantages(advantages, returns, prepared, stats)
 
 
@@ -386,8 +384,7 @@ def policy_update(key: str, batch: Batch, adv: Advantages) -> dict[str, float]:
         s.backend.sleep()
     out = s.learner.update(samples, split_rows(adv.advantages, where), prepared=adv.prepared,
                            returns=None if adv.returns is None else split_rows(adv.returns, where))
-    kill_point("update")  # test hook (tasks.killpoint): a no-op unless $SCALINGINTER_KILL_AT names it
-    adv.prepared = None  # the old/ref log-probs of this batch are spent; free them before the next rollout
+    kill_point("update")  # test hook (runtime.killpoint): a no-op unless $SCALINGINTER_KILL_AT names it
     with timed("weight_sync"):
         s.backend.sync_weights()  # a separate generation engine (vLLM) reloads the new weights; no-op otherwise
     if hasattr(s.backend, "sync_time_s"):
@@ -436,7 +433,7 @@ def evaluate_sweep(key: str, urls: list[str], task_ids: list[int], turn_limits: 
     With ``episodes_path`` the episodes are also written there as a rollout Parquet (phase 0; the viewer)."""
     import torch
 
-    from tasks.rollout import EpisodeSpec
+    from runtime.rollout import EpisodeSpec
 
     s = get_session(key)
     specs = [EpisodeSpec(task_id=t, group_id=g, turn_limit=b, seed_key=t * MAX_EVAL_SAMPLES + k)
@@ -448,7 +445,7 @@ def evaluate_sweep(key: str, urls: list[str], task_ids: list[int], turn_limits: 
         write_rollout_parquet(trajs, Path(episodes_path), phase=0, step=0)
     outcomes = [{"task_id": sp.task_id, "turn_limit": sp.turn_limit, "sample": sp.seed_key - sp.task_id * MAX_EVAL_SAMPLES,
                  "success": None if t.masked else bool(t.success), "reward": t.reward, "turns": t.turns,
-                 "category": t.info.get("category"), "required_turns": t.info.get("required_turns"),
+                 "category": t.category, "required_turns": t.required_turns,
                  "finish_reason": t.finish_reason}
                 for sp, t in zip(specs, trajs)]
     stats = {k: m[k] for k in ("rollout_time_s", "generated_tokens", "gen_tokens_per_s", "env_steps_per_s",
@@ -472,7 +469,7 @@ def score_sweep(cfg: RunConfig, model_dir: str, task_ids: list[int], turn_limits
 @task(name="checkpoint", retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
 @timed("checkpoint")
 def save_step_checkpoint(key: str, uri: str, trainer_state: dict[str, Any], latest_of: str | None = None) -> str:
-    from tasks.checkpoint_store import save_checkpoint, write_latest
+    from storage.checkpoint_store import save_checkpoint, write_latest
 
     s = get_session(key)
     tmp = Path(tempfile.mkdtemp(prefix="ckpt-"))
@@ -491,26 +488,28 @@ def trajectories_text(trajs: list[Trajectory], k: int) -> str:
     for t in trajs[:k]:
         rows.append({"task_id": t.task_id, "group_id": t.group_id, "reward": t.reward, "success": t.success,
                      "finish_reason": t.finish_reason, "turns": t.turns, "masked": t.masked, "error": t.error,
-                     "first_observation": t.info.get("first_observation"), "replies": t.info.get("replies"),
-                     "observations": t.info.get("observations"), "num_tokens": len(t.token_ids)})
+                     "first_observation": t.first_observation, "replies": t.replies,
+                     "observations": t.observations, "num_tokens": len(t.token_ids)})
     return json.dumps(rows, indent=2)
 
 
 ROLLOUT_ROW_GROUP = 32  # episodes per Parquet row group: the trajectory viewer reads one group to show an episode
 
 
-def write_rollout_parquet(trajs: list[Trajectory], path: Path, phase: int, step: int) -> None:
+def write_rollout_parquet(trajs: list[Trajectory], path: Path, phase: int, step: int,
+                          advantages: list[list[float]] | None = None) -> None:
     """One row per episode. Besides the token-exact fields, what the trajectory viewer shows: the episode's
     category, return and turn limit, the token offsets of the turns (``prompt_len``, ``action_ends``; with a history
     window ``segment_starts``, where each turn's own sample begins), the text of
     every turn (first observation, replies, observations), the env's parsed action per turn and whether it was
-    invalid, and the per-token advantage the update used (null where the step computed none). Readers must accept
+    invalid, and the per-token advantage the update used (``advantages``, per trajectory; null where the step
+    computed none, as in evaluation). Readers must accept
     files without these columns (written before they existed)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    def info(key: str, default: Any = None) -> list[Any]:
-        return [t.info.get(key, default) for t in trajs]
+    def col(name: str) -> list[Any]:
+        return [getattr(t, name) for t in trajs]
 
     path.parent.mkdir(parents=True, exist_ok=True)
     ints, strs = pa.list_(pa.int32()), pa.list_(pa.string())
@@ -521,20 +520,20 @@ def write_rollout_parquet(trajs: list[Trajectory], path: Path, phase: int, step:
         "turn_rewards": [t.turn_rewards for t in trajs], "finish_reason": [t.finish_reason for t in trajs],
         "success": [t.success for t in trajs], "masked": [t.masked for t in trajs],
         "phase": [phase] * len(trajs), "step": [step] * len(trajs),
-        "category": pa.array([None if c is None else str(c) for c in info("category")], pa.string()),
+        "category": pa.array([None if c is None else str(c) for c in col("category")], pa.string()),
         "reward": pa.array([t.reward for t in trajs], pa.float64()),
-        "turn_limit": pa.array(info("turn_limit"), pa.int32()),
-        "env_truncated": pa.array([bool(x) for x in info("env_truncated", False)], pa.bool_()),
+        "turn_limit": pa.array(col("turn_limit"), pa.int32()),
+        "env_truncated": pa.array([bool(x) for x in col("env_truncated")], pa.bool_()),
         "error": pa.array([t.error for t in trajs], pa.string()),
         "prompt_len": pa.array([t.prompt_len for t in trajs], pa.int32()),
         "action_ends": pa.array([t.action_ends for t in trajs], ints),
         "segment_starts": pa.array([t.segment_starts for t in trajs], ints),
-        "first_observation": pa.array(info("first_observation"), pa.string()),
-        "replies": pa.array(info("replies"), strs),
-        "observations": pa.array(info("observations"), strs),
-        "actions": pa.array(info("actions"), strs),
-        "invalid_actions": pa.array(info("invalid_actions"), pa.list_(pa.bool_())),
-        "advantages": pa.array(info("advantages"), pa.list_(pa.float32())),
+        "first_observation": pa.array(col("first_observation"), pa.string()),
+        "replies": pa.array(col("replies"), strs),
+        "observations": pa.array(col("observations"), strs),
+        "actions": pa.array(col("actions"), strs),
+        "invalid_actions": pa.array(col("invalid_actions"), pa.list_(pa.bool_())),
+        "advantages": pa.array(advantages if advantages is not None else [None] * len(trajs), pa.list_(pa.float32())),
     })
     tmp = path.with_suffix(".tmp")
     pq.write_table(table, tmp, row_group_size=ROLLOUT_ROW_GROUP)

@@ -318,11 +318,11 @@ def episode(group, states, rewards, window=False, masked=False):
     per turn, env tokens between turns (with ``window``, a whole new prompt: a history-window sample)."""
     t = Trajectory(task_id=group, group_id=group)
     t.start([1, 2])
-    t.info["first_observation"] = states[0]
+    t.first_observation = states[0]
     for k, r in enumerate(rewards):
         t.add_action([10 + k, 20 + k], [-0.1, -0.1])
         t.set_turn_reward(r)
-        t.info.setdefault("observations", []).append(states[k + 1])
+        t.observations = (t.observations or []) + [states[k + 1]]
         if k < len(rewards) - 1:
             t.start_segment([7, 7, 7]) if window else t.add_env([5])
     t.finish("env_error" if masked else ("success" if sum(rewards) > 0 else "failure"), sum(rewards) > 0)
@@ -402,7 +402,7 @@ def test_gigpo_with_gamma_one_and_the_plain_reference():
 
 def test_gigpo_needs_the_observations_and_sane_turn_ends():
     t = episode(0, ["s0", "s1"], [1.0])
-    t.info.pop("first_observation")
+    t.first_observation = None
     with pytest.raises(ValueError, match="first observation"):
         trajectory_advantages("gigpo", EstimatorParams(), [t])
     rewards, masks = [REWARDS], [MASK]

@@ -22,9 +22,9 @@ import pytest
 from core.busyclock import BusyClock
 from core.chat import ChatFormat
 from envs.toy import ToyEnv
-from tasks.backends.generation import Generation, RequestDriver, SamplingParams
-from tasks.env_sessions import LocalEpisode
-from tasks.rollout import (EnvConfigError, EpisodeSpec, RolloutRequest, RolloutRuntime, episode_seed, rollout,
+from runtime.backends.generation import Generation, RequestDriver, SamplingParams
+from runtime.env_sessions import LocalEpisode
+from runtime.rollout import (EnvConfigError, EpisodeSpec, RolloutRequest, RolloutRuntime, episode_seed, rollout,
                            run_rollout, uses_async_episodes)
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -34,7 +34,7 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from tasks.backends.model import resolve_model
+    from runtime.backends.model import resolve_model
 
     return AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
 
@@ -352,7 +352,7 @@ def test_retries_rerun_masked_episodes_with_their_own_seeds(tokenizer):
                          heal=heal)
     (lock, _, _), (asy, st, fake) = out[False], out[True]
     _same(lock, asy)
-    assert [t.info.get("attempt") for t in asy] == [None, 2, None, 2] and not any(t.masked for t in asy)
+    assert [t.attempt for t in asy] == [1, 2, 1, 2] and not any(t.masked for t in asy)
     assert st.retried_episodes == 2 and st.recovered_episodes == 2 and len(healed) == 2
     first_turn = [episode_seed(7, i, 0) for i in range(4)]
     seen = [s for _, s in fake.requests if s in first_turn]
@@ -410,7 +410,7 @@ def test_a_config_error_stops_the_pass_and_the_driver(tokenizer):
 
 def test_backends_without_a_request_engine_stay_lockstep_and_the_flag_is_configurable(tokenizer):
     from flows.config import build_config
-    from tasks.backends.generation import TransformersBackend
+    from runtime.backends.generation import TransformersBackend
 
     chat = ChatFormat.from_tokenizer(tokenizer)
     tb = TransformersBackend(None, tokenizer.eos_token_id, tokenizer.eos_token_id)
@@ -435,8 +435,8 @@ def engine():
         pytest.skip("vllm not installed")
     from transformers import AutoTokenizer
 
-    from tasks.backends.model import resolve_model
-    from tasks.backends.vllm_backend import VLLMBackend
+    from runtime.backends.model import resolve_model
+    from runtime.backends.vllm_backend import VLLMBackend
 
     path = resolve_model("smollm2-135m")
     tok = AutoTokenizer.from_pretrained(path)
@@ -446,7 +446,7 @@ def engine():
 
 
 def _babyai(be, tok, async_episodes, seed=11, n=8):
-    from tasks.env_sessions import local_factory
+    from runtime.env_sessions import local_factory
 
     specs = [EpisodeSpec(t, t) for t in range(n)]
     req = RolloutRequest(specs, 3, SamplingParams(24, 1.0), 1000, seed)

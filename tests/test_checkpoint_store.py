@@ -1,4 +1,4 @@
-"""Tests for tasks.checkpoint_store: local disk and a real S3 server (moto) on loopback."""
+"""Tests for storage.checkpoint_store: local disk and a real S3 server (moto) on loopback."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks import checkpoint_store as cs
-from tasks.checkpoint_store import (
+from storage import checkpoint_store as cs
+from storage.checkpoint_store import (
     CheckpointCorrupted,
     CheckpointNotFound,
     CheckpointStoreError,
@@ -462,7 +462,7 @@ def test_public_functions_go_through_one_store_interface() -> None:
     import ast
     import inspect
 
-    from tasks.checkpoint_store import LocalStore, S3Store, Store, store_for
+    from storage.checkpoint_store import LocalStore, S3Store, Store, store_for
 
     tree = ast.parse(inspect.getsource(cs))
     branching = [f.name for f in tree.body if isinstance(f, ast.FunctionDef) and not f.name.startswith("_")

@@ -198,7 +198,7 @@ def _fake_curriculum(tracker, name: str, turn_limits: list[int], success: list[f
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    from tasks.tracking import Tracker
+    from storage.tracking import Tracker
 
     d = tmp_path_factory.mktemp("mlstore")
     uri = f"sqlite:///{d / 'mlflow.db'}"
@@ -307,7 +307,7 @@ def study_store(tmp_path_factory):
     """2 arms x 2 seeds, each final checkpoint and the base model scored by an eval run (flows.evaluate.log_eval,
     as `scalinginter eval --experiment learning-study-babyai` logs it); one more eval in the experiment `eval`."""
     from flows.evaluate import log_eval
-    from tasks.tracking import Tracker
+    from storage.tracking import Tracker
 
     d = tmp_path_factory.mktemp("studystore")
     uri = f"sqlite:///{d / 'mlflow.db'}"

@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from tasks.console import ENV_LOG, quiet_console, redirect_fds, restore_console
+from runtime.console import ENV_LOG, quiet_console, redirect_fds, restore_console
 
 
 def test_library_logs_go_to_the_run_log_and_restore_undoes_it(tmp_path, capsys, monkeypatch):

@@ -196,7 +196,7 @@ def test_episode_metrics_average_what_envs_report_besides_reward():
         t = Trajectory(task_id=0, group_id=0)
         t.start([1, 2])
         t.add_action([3], [-0.1])
-        t.info["episode_metrics"] = {"score": score}
+        t.episode_metrics = {"score": score}
         t.finish("env_error" if masked else ("success" if score == 100 else "failure"), score == 100)
         ts.append(t)
     m = episode_metrics(ts)

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from tasks.backends.learner import LearnerConfig, Prepared
+from runtime.backends.learner import LearnerConfig, Prepared
 
 HAS_DS = importlib.util.find_spec("deepspeed") is not None
 pytestmark = pytest.mark.skipif(not HAS_DS, reason="deepspeed not installed")
 
 
 def test_ds_config_fills_run_values_and_validates_stage():
-    from tasks.backends.deepspeed_learner import ds_config
+    from runtime.backends.deepspeed_learner import ds_config
 
     c = ds_config(2, LearnerConfig(lr=3e-6, grad_clip=0.5))
     assert c["zero_optimization"]["stage"] == 2 and c["gradient_clipping"] == 0.5
@@ -29,7 +29,7 @@ def test_ds_config_fills_run_values_and_validates_stage():
 
 
 def test_shards_are_interleaved_disjoint_and_keep_every_episode():
-    from tasks.backends.deepspeed_learner import shard_for_rank, shard_padding
+    from runtime.backends.deepspeed_learner import shard_for_rank, shard_padding
 
     live = [0, 2, 3, 5, 6, 7, 9]
     a, b = shard_for_rank(live, 0, 2), shard_for_rank(live, 1, 2)
@@ -46,9 +46,9 @@ def test_zero_weight_padding_does_not_change_the_update(tmp_path):
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from tasks.backends.deepspeed_learner import zero_weight_copy
-    from tasks.backends.learner import TorchLearner
-    from tasks.backends.model import resolve_model
+    from runtime.backends.deepspeed_learner import zero_weight_copy
+    from runtime.backends.learner import TorchLearner
+    from runtime.backends.model import resolve_model
 
     tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
     torch.manual_seed(0)
@@ -69,7 +69,7 @@ def test_zero_weight_padding_does_not_change_the_update(tmp_path):
 
 
 def test_shard_prepared_reindexes_rows():
-    from tasks.backends.deepspeed_learner import shard_prepared
+    from runtime.backends.deepspeed_learner import shard_prepared
 
     p = Prepared(live=[1, 4, 6], seqs=[[1], [4], [6]], old=[[-1.0], [-4.0], [-6.0]], ref=None, values=None,
                  stats={"logprob_mismatch": 0.1})
@@ -112,9 +112,9 @@ def test_zero2_step_equals_torch_learner_step(tmp_path):
     """Same batch, same seed: one ZeRO-2 step (2 micro-batches accumulated) moves the weights like AdamW does."""
     import torch
 
-    from tasks.backends.deepspeed_learner import DeepSpeedLearner
-    from tasks.backends.learner import TorchLearner, load_causal_lm
-    from tasks.backends.model import resolve_model
+    from runtime.backends.deepspeed_learner import DeepSpeedLearner
+    from runtime.backends.learner import TorchLearner, load_causal_lm
+    from runtime.backends.model import resolve_model
 
     path = resolve_model("smollm2-135m")
     cfg = LearnerConfig(lr=1e-4, kl_coef=0.001, micro_batch_size=2, bf16_autocast=False)
@@ -137,9 +137,9 @@ def test_zero2_step_equals_torch_learner_step(tmp_path):
 
 @pytest.mark.slow
 def test_two_rank_zero2_step_under_torchrun(tmp_path):
-    from tasks.backends.deepspeed_learner import DeepSpeedRemoteLearner
-    from tasks.backends.learner import load_causal_lm
-    from tasks.backends.model import resolve_model
+    from runtime.backends.deepspeed_learner import DeepSpeedRemoteLearner
+    from runtime.backends.learner import load_causal_lm
+    from runtime.backends.model import resolve_model
 
     path = resolve_model("smollm2-135m")
     cfg = LearnerConfig(lr=1e-4, kl_coef=0.001, micro_batch_size=2, bf16_autocast=True)
@@ -169,8 +169,8 @@ def test_zero3_multi_gpu_step(tmp_path):
     torch = pytest.importorskip("torch")
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
-    from tasks.backends.deepspeed_learner import DeepSpeedRemoteLearner
-    from tasks.backends.model import resolve_model
+    from runtime.backends.deepspeed_learner import DeepSpeedRemoteLearner
+    from runtime.backends.model import resolve_model
 
     learner = DeepSpeedRemoteLearner(resolve_model("smollm2-135m"), LearnerConfig(lr=1e-5), ranks=2, zero_stage=3)
     try:
@@ -189,8 +189,8 @@ def test_deepspeed_ppo_checkpoint_keeps_the_critic(tmp_path):
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from tasks.backends.deepspeed_learner import DeepSpeedLearner
-    from tasks.backends.model import resolve_model
+    from runtime.backends.deepspeed_learner import DeepSpeedLearner
+    from runtime.backends.model import resolve_model
 
     tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
     torch.manual_seed(0)
@@ -236,8 +236,8 @@ def test_deepspeed_checkpoint_files_load_weights_only(tmp_path):
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    from tasks.backends.deepspeed_learner import safe_checkpoint_loads
-    from tasks.backends.safe_load import UnsafeCheckpointFile
+    from runtime.backends.deepspeed_learner import safe_checkpoint_loads
+    from runtime.backends.safe_load import UnsafeCheckpointFile
 
     engine = types.SimpleNamespace(checkpoint_engine=TorchCheckpointEngine())
     safe_checkpoint_loads(engine)
@@ -263,7 +263,7 @@ def test_deepspeed_configs_are_found_from_an_installed_package(tmp_path, monkeyp
     without the source tree there, that copy is used; $SCALINGINTER_DEEPSPEED_CONFIGS wins over both."""
     import sys
 
-    import tasks.backends.deepspeed_learner as dl
+    import runtime.backends.deepspeed_learner as dl
 
     assert dl.deepspeed_config_dir() == dl.REPO_ROOT / "infra" / "deepspeed"  # a checkout
     share = tmp_path / "prefix" / "share" / "scalinginter" / "deepspeed"
@@ -292,9 +292,9 @@ def test_tampered_deepspeed_optimizer_file_is_refused_on_resume(tmp_path):
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from tasks.backends.deepspeed_learner import DeepSpeedLearner
-    from tasks.backends.model import resolve_model
-    from tasks.backends.safe_load import UnsafeCheckpointFile
+    from runtime.backends.deepspeed_learner import DeepSpeedLearner
+    from runtime.backends.model import resolve_model
+    from runtime.backends.safe_load import UnsafeCheckpointFile
 
     tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
     torch.manual_seed(0)

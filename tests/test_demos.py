@@ -22,10 +22,10 @@ from core.chat import ChatFormat
 from core.demos import action_reply
 from core.losses import nll_loss
 from envs.toy import ToyEnv
-from tasks.backends.generation import Generation, SamplingParams
+from runtime.backends.generation import Generation, SamplingParams
 from tasks.demos import DemoError, collect_demos, expert_for
-from tasks.env_sessions import LocalEpisode
-from tasks.rollout import EpisodeSpec, RolloutRequest, RolloutRuntime, rollout
+from runtime.env_sessions import LocalEpisode
+from runtime.rollout import EpisodeSpec, RolloutRequest, RolloutRuntime, rollout
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from tasks.backends.model import resolve_model
+    from runtime.backends.model import resolve_model
 
     return AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
 
@@ -126,7 +126,7 @@ def test_demos_equal_the_rollout_of_a_model_replying_with_the_expert_text(tokeni
         assert demo.turn_rewards == r.turn_rewards == rewards
         assert demo.prompt_len == r.prompt_len and demo.success and r.success
         assert demo.finish_reason == r.finish_reason == "success"
-        assert demo.info["replies"] == r.info["replies"]  # the env saw the same text
+        assert demo.replies == r.replies  # the env saw the same text
 
 
 def test_a_reply_longer_than_the_turn_cap_is_cut_like_a_sampled_one(tokenizer):
@@ -202,7 +202,7 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
 
 
 def test_sft_lowers_the_nll_and_accumulates_micro_batches_exactly(tiny_model_dir, tokenizer):
-    from tasks.backends.learner import LearnerConfig, TorchLearner
+    from runtime.backends.learner import LearnerConfig, TorchLearner
 
     chat = ChatFormat.from_tokenizer(tokenizer)
     res = collect_demos(list(range(8)), lambda i: LocalEpisode(PrizeToy()), two_turn_expert, chat, turn_limit=4,

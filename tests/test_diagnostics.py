@@ -12,8 +12,8 @@ def ep(group, actions, observations, invalid, finish="failure", reply=(2, 3), ma
         t.add_action([7] * n, [-0.1] * n)
         if k < len(actions) - 1:
             t.add_env([0, 0])
-    t.info.update(first_observation=observations[0], observations=observations[1:], actions=list(actions),
-                  invalid_actions=list(invalid))
+    t.first_observation, t.observations = observations[0], list(observations[1:])
+    t.actions, t.invalid_actions = list(actions), list(invalid)
     t.finish(finish, finish == "success")
     t.masked = masked
     return t

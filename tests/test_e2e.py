@@ -47,8 +47,8 @@ def test_checkpoint_complete_loads_back_and_params_changed(run_dir):
     out, _ = run_dir
     from transformers import AutoModelForCausalLM
 
-    from tasks.backends.model import resolve_model
-    from tasks.checkpoint_store import checkpoint_exists, read_latest
+    from runtime.backends.model import resolve_model
+    from storage.checkpoint_store import checkpoint_exists, read_latest
 
     final = out / "checkpoints" / RUN / "phase-2" / "final"
     assert checkpoint_exists(str(final))

@@ -1,4 +1,4 @@
-"""One vLLM engine per process (``tasks.backends.vllm_backend`` holder): what makes two sessions' engines the same
+"""One vLLM engine per process (``runtime.backends.vllm_backend`` holder): what makes two sessions' engines the same
 (pure), and — with the real CPU engine (slow) — that a kept engine with other weights loaded generates exactly what
 a fresh engine on those weights generates, and that two sessions and an evaluation start the engine once."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.backends.vllm_backend import model_signature, settings_diff
+from runtime.backends.vllm_backend import model_signature, settings_diff
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -56,7 +56,7 @@ def folders(tmp_path_factory):
     import torch
     from safetensors.torch import load_file, save_file
 
-    from tasks.backends.model import resolve_model
+    from runtime.backends.model import resolve_model
 
     base = Path(resolve_model("smollm2-135m"))
     pert = tmp_path_factory.mktemp("perturbed")
@@ -86,7 +86,7 @@ def _prompts(tok) -> list[list[int]]:
 
 
 def _greedy(engine, prompts) -> list[list[int]]:
-    from tasks.backends.generation import SamplingParams
+    from runtime.backends.generation import SamplingParams
 
     return [g.token_ids for g in engine.generate(prompts, SamplingParams(24, 0.0))]
 
@@ -96,8 +96,8 @@ def _greedy(engine, prompts) -> list[list[int]]:
 def test_kept_engine_with_loaded_weights_generates_like_a_fresh_engine(folders, tmp_path):
     from transformers import AutoTokenizer
 
-    from tasks.backends import vllm_backend as V
-    from tasks.backends.learner import LearnerConfig, TorchLearner
+    from runtime.backends import vllm_backend as V
+    from runtime.backends.learner import LearnerConfig, TorchLearner
 
     base, pert = folders
     cfg, tok = _cfg(tmp_path), AutoTokenizer.from_pretrained(base)
@@ -142,8 +142,8 @@ def test_kept_engine_with_loaded_weights_generates_like_a_fresh_engine(folders, 
 def test_two_sessions_and_an_evaluation_start_one_engine(folders, tmp_path):
     from flows.evaluate import evaluate
     from tasks import steps as T
-    from tasks import timing
-    from tasks.backends import vllm_backend as V
+    from runtime import timing
+    from runtime.backends import vllm_backend as V
 
     base, pert = folders
     cfg = _cfg(tmp_path)

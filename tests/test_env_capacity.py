@@ -106,7 +106,7 @@ def test_eval_of_three_times_the_pool_never_waits_for_a_context(capsys):
     from core.config import build_config
     from envs.base import task_index
     from envs.spawn import EnvServerProcess
-    from tasks.backends.model import resolve_model
+    from runtime.backends.model import resolve_model
     from tasks.steps import _rollout, close_session, get_session, open_session
 
     # generous page timeouts: a loaded 2-core machine may be slow to render, which is not what this test is about

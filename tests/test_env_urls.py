@@ -34,7 +34,7 @@ def test_episodes_spread_over_two_real_servers():
     from envs.client import EnvClient
     from envs.spawn import EnvServerProcess
     from flows.config import build_config
-    from tasks.backends.model import resolve_model
+    from runtime.backends.model import resolve_model
     from tasks.steps import _SESSIONS, Session, _rollout, spawn_env_servers
 
     tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))

@@ -23,7 +23,7 @@ def cli(*args, cwd, timeout=600):
 
 
 def base_dir() -> Path:
-    from tasks.backends.model import resolve_model
+    from runtime.backends.model import resolve_model
 
     return Path(resolve_model("smollm2-135m"))
 

@@ -59,7 +59,7 @@ def test_ppo_gated_run_killed_and_resumed_ends_like_an_uninterrupted_one(tmp_pat
     assert [r["global_step"] for r in rows] == list(range(1, len(rows) + 1))  # no step lost or repeated
     assert (ck / "phase-2" / "final" / "critic" / "model.pt").exists()  # PPO: the critic is in the checkpoint
     # superseded step checkpoints (the one resumed from included) are gone; the phase finals stay
-    from tasks.checkpoint_store import list_checkpoints
+    from storage.checkpoint_store import list_checkpoints
     assert list_checkpoints(str(ck)) == [str(ck / "phase-1" / "final"), str(ck / "phase-2" / "final")]
 
     from mlflow.tracking import MlflowClient
@@ -88,7 +88,7 @@ def test_fault_hook_is_test_only(monkeypatch):
     params) has no such field, and the hook fails exactly after the named step, with a clear error on bad input."""
     from core.config import RunConfig
     from flows.config import ConfigError, build_config
-    from flows.scalinginter import FAULT_ENV, inject_fault
+    from tasks.resume import FAULT_ENV, inject_fault
 
     assert not [f for f in RunConfig.model_fields if "fail" in f or "fault" in f]
     with pytest.raises(ConfigError, match="fail_after_step"):

@@ -131,7 +131,7 @@ def test_critic_final_value_is_the_value_of_the_state_after_the_last_token(tmp_p
     values are the usual shifted ones."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tasks.backends.critic import Critic
+    from runtime.backends.critic import Critic
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,

@@ -46,7 +46,7 @@ needs_cuda = pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU (torch.cud
 def test_device_resolution():
     import torch
 
-    from tasks.backends.hardware import autocast, check_device_setting, resolve_device
+    from runtime.backends.hardware import autocast, check_device_setting, resolve_device
 
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
@@ -82,7 +82,7 @@ def test_model_device_config():
 
 
 def test_gpu_only_engine_settings_are_refused_on_the_cpu_build():
-    from tasks.backends.vllm_backend import check_gpu_settings
+    from runtime.backends.vllm_backend import check_gpu_settings
 
     with pytest.raises(ValueError, match="CPU build"):
         check_gpu_settings(True, 2, False, False)
@@ -97,7 +97,7 @@ def test_gpu_only_engine_settings_are_refused_on_the_cpu_build():
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm not installed")
 def test_sleep_mode_default_follows_the_build_and_the_device():
     from flows.config import build_config
-    from tasks.backends.vllm_backend import is_cpu_build, sleep_mode_for
+    from runtime.backends.vllm_backend import is_cpu_build, sleep_mode_for
 
     cfg = build_config("babyai", "tiny", ["rollout.backend=vllm"])
     if is_cpu_build():
@@ -138,7 +138,7 @@ class _FakeLLM:
 def _fake_backend(sleep_mode: bool):
     import torch
 
-    from tasks.backends.vllm_backend import VLLMBackend
+    from runtime.backends.vllm_backend import VLLMBackend
 
     b = VLLMBackend.__new__(VLLMBackend)  # no engine: the fake LLM stands in for vllm.LLM
     b._llm, b.sleep_mode, b._asleep_tags, b.sleeps = _FakeLLM(), sleep_mode, set(), 0
@@ -202,8 +202,8 @@ def _rel(a, b) -> float:
 def test_cuda_learner_matches_cpu_learner():
     """One update at lr 0 (the gradients stay on the parameters; AdamW with lr 0 leaves the weights): the CUDA
     learner's loss and gradients are the CPU learner's, in fp32 tightly and under bf16 autocast within bf16 noise."""
-    from tasks.backends.learner import LearnerConfig, TorchLearner
-    from tasks.backends.model import resolve_model
+    from runtime.backends.learner import LearnerConfig, TorchLearner
+    from runtime.backends.model import resolve_model
 
     path = resolve_model("smollm2-135m")
     kw = dict(lr=0.0, kl_coef=0.01, micro_batch_size=2, grad_clip=1e9, temperature=1.0)
@@ -242,10 +242,10 @@ def test_cuda_vllm_logprobs_equal_the_learner_after_in_memory_sync_in_sleep_mode
     import torch
 
     from core.trajectory import Trajectory
-    from tasks.backends.generation import SamplingParams
-    from tasks.backends.learner import LearnerConfig, TorchLearner
-    from tasks.backends.model import resolve_model
-    from tasks.backends.vllm_backend import VLLMBackend, is_cpu_build, named_weights_fn
+    from runtime.backends.generation import SamplingParams
+    from runtime.backends.learner import LearnerConfig, TorchLearner
+    from runtime.backends.model import resolve_model
+    from runtime.backends.vllm_backend import VLLMBackend, is_cpu_build, named_weights_fn
     from tests.test_vllm_backend import _fixed_sequence, _max_mean_diff
 
     if is_cpu_build():

@@ -10,9 +10,9 @@ import pytest
 from core.chat import ChatFormat
 from core.trajectory import Trajectory, join_rows, segment_bounds, split_rows, turn_samples
 from envs.toy import ToyEnv
-from tasks.backends.generation import SamplingParams
-from tasks.env_sessions import LocalEpisode
-from tasks.rollout import EpisodeSpec, RolloutRequest, RolloutRuntime, episode_seed, rollout
+from runtime.backends.generation import SamplingParams
+from runtime.env_sessions import LocalEpisode
+from runtime.rollout import EpisodeSpec, RolloutRequest, RolloutRuntime, episode_seed, rollout
 from tests.test_async_rollout import FakeEngine
 
 
@@ -20,7 +20,7 @@ from tests.test_async_rollout import FakeEngine
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from tasks.backends.model import resolve_model
+    from runtime.backends.model import resolve_model
 
     return AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
 
@@ -79,7 +79,7 @@ def test_windowed_rollout_is_token_exact_per_turn_sample(tokenizer, async_episod
         assert t.turns == 5 and t.finish_reason == "turn_limit"
         bounds = segment_bounds(t)
         assert len(bounds) == t.turns and bounds[0][0] == 0 and bounds[-1][1] == len(t.token_ids)
-        obs = [t.info["first_observation"]] + t.info["observations"]
+        obs = [t.first_observation] + t.observations
         acts = _actions(t)
         stopped = [a[-1] == tokenizer.eos_token_id for a in acts]
         for turn, (a, b) in enumerate(bounds):

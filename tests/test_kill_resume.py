@@ -3,7 +3,7 @@
 The toy env (an env server process like every env's) and a tiny Llama that writes its actions
 (``tests/toypolicy.py``; GRPO groups get signal, so updates move the weights), transformers backend, phases
 1 x turn limit 1, then 2 x turn limit 2 (global steps 1, 2, 3), run in a subprocess that kills itself
-(``tasks.killpoint``: ``$SCALINGINTER_KILL_AT``, a real SIGKILL, no cleanup code runs) at a point inside a step;
+(``runtime.killpoint``: ``$SCALINGINTER_KILL_AT``, a real SIGKILL, no cleanup code runs) at a point inside a step;
 the same command then resumes it. The env and the model are not the point here (the flows, checkpoints, MLflow
 records and kill points are), so the smallest of each keeps every run near process start-up (~30 s) and the
 test in CI. Compared with one uninterrupted run of the same config (module fixture):
@@ -38,7 +38,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tasks.killpoint import KILL_ENV
+from runtime.killpoint import KILL_ENV
 from tests.toypolicy import toy_run_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -278,7 +278,7 @@ def test_sigkill_inside_a_step_then_resume_equals_an_uninterrupted_run(tmp_path,
 
 # --- the hook's own parsing -------------------------------------------------------------------------------------
 def test_kill_at_parses_points_and_counts_and_refuses_the_rest():
-    from tasks.killpoint import parse_kill_at
+    from runtime.killpoint import parse_kill_at
 
     assert parse_kill_at("") is None and parse_kill_at("  ") is None
     assert parse_kill_at("update") == ("update", 1)
@@ -290,7 +290,7 @@ def test_kill_at_parses_points_and_counts_and_refuses_the_rest():
 
 
 def test_kill_point_kills_for_real_at_the_named_arrival_only(tmp_path):
-    code = ("import atexit, sys; from tasks.killpoint import kill_point\n"
+    code = ("import atexit, sys; from runtime.killpoint import kill_point\n"
             "atexit.register(lambda: open(sys.argv[1], 'w').write('cleanup ran'))\n"
             "kill_point('update'); print('first', flush=True); kill_point('update'); print('second', flush=True)")
     env = {**os.environ, "PYTHONPATH": str(ROOT), KILL_ENV: "update:2"}
@@ -302,7 +302,7 @@ def test_kill_point_kills_for_real_at_the_named_arrival_only(tmp_path):
 
 
 def test_kill_point_is_a_no_op_unless_named(monkeypatch):
-    from tasks import killpoint
+    from runtime import killpoint
 
     monkeypatch.delenv(KILL_ENV, raising=False)
     killpoint.kill_point("update")  # unset: nothing happens
@@ -315,13 +315,13 @@ def test_kill_point_is_a_no_op_unless_named(monkeypatch):
 
 
 def test_a_save_killed_mid_write_leaves_a_temp_folder_that_the_next_save_removes(tmp_path):
-    from tasks.checkpoint_store import checkpoint_exists, save_checkpoint
+    from storage.checkpoint_store import checkpoint_exists, save_checkpoint
 
     src = tmp_path / "src"
     src.mkdir()
     (src / "model.safetensors").write_bytes(bytes(range(256)) * 64)
     phase = tmp_path / "ck" / "phase-1"
-    code = "import sys; from tasks.checkpoint_store import save_checkpoint; save_checkpoint(sys.argv[1], sys.argv[2])"
+    code = "import sys; from storage.checkpoint_store import save_checkpoint; save_checkpoint(sys.argv[1], sys.argv[2])"
     env = {**os.environ, "PYTHONPATH": str(ROOT), KILL_ENV: "checkpoint"}
     p = subprocess.run([sys.executable, "-c", code, str(src), str(phase / "step-000001")], env=env,
                        capture_output=True, text=True, timeout=120)
@@ -336,7 +336,7 @@ def test_a_save_killed_mid_write_leaves_a_temp_folder_that_the_next_save_removes
 
 
 def test_temp_owner_reads_the_pid_of_a_temp_sibling_name():
-    from tasks.checkpoint_store import _temp_owner
+    from storage.checkpoint_store import _temp_owner
 
     assert _temp_owner(".step-000001.tmp-4242-0123abcd") == 4242
     assert _temp_owner(".final.old-7-deadbeef") == 7
@@ -354,7 +354,9 @@ def test_a_phase_killed_before_registration_is_finished_by_the_resume(tmp_path, 
 
     import tasks.artifacts
     from flows.config import build_config
-    from flows.scalinginter import PhasePlan, finished_phase, make_tracker, recorded_config
+    from tasks.resume import PhasePlan
+    from flows.scalinginter import finished_phase
+    from tasks.runs import make_tracker, recorded_config
     from core.fingerprint import fingerprint
 
     published = []  # the Prefect markdown artifact (a Prefect API call) is recorded, not sent

@@ -20,10 +20,10 @@ import torch
 from core.advantages import EstimatorParams, get_estimator, trajectory_advantages
 from core.chat import ChatFormat
 from envs.base import StepResult
-from tasks.backends.generation import SamplingParams, TransformersBackend
-from tasks.backends.learner import LearnerConfig, TorchLearner
-from tasks.env_sessions import LocalEpisode
-from tasks.rollout import EpisodeSpec, run_rollout
+from runtime.backends.generation import SamplingParams, TransformersBackend
+from runtime.backends.learner import LearnerConfig, TorchLearner
+from runtime.env_sessions import LocalEpisode
+from runtime.rollout import EpisodeSpec, run_rollout
 
 
 def parity(reply: str) -> int:
@@ -64,7 +64,7 @@ class TwoRooms:
 def tiny_model_dir(tmp_path_factory):
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from tasks.backends.model import resolve_model
+    from runtime.backends.model import resolve_model
 
     tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
     torch.manual_seed(1234)

@@ -1,6 +1,6 @@
 """The DeepSpeed learner across nodes: two "nodes" on loopback, each a torchrun launcher with one rank, joined by
 torchrun's c10d rendezvous at 127.0.0.1 (node 0 is the run's ``DeepSpeedRemoteLearner(nodes=2)``; node 1 is the
-``python -m tasks.backends.deepspeed_learner join`` command another machine would run). Their update equals the
+``python -m runtime.backends.deepspeed_learner join`` command another machine would run). Their update equals the
 one-node two-rank update and the one-rank (``TorchLearner``) update within 1e-6.
 
 Same tiny Llama, batch, SGD config and tolerance as ``tests/test_multirank.py`` (SGD: the step is linear in the
@@ -34,7 +34,7 @@ def _sgd_config(d: Path) -> str:
 
 def _update(learner, case: str, out: Path) -> dict:
     """prepare + update through the driver, then the weights the ranks hold (saved by rank 0)."""
-    from tasks.backends.learner import load_causal_lm
+    from runtime.backends.learner import load_causal_lm
 
     kw, old_for_reward = CASES[case]
     trajs, advs = _batch()
@@ -46,14 +46,14 @@ def _update(learner, case: str, out: Path) -> dict:
 
 def test_join_command_and_validation(monkeypatch):
     """The node command's torchrun line and the refusals (no secret, node 0 is the run's)."""
-    from tasks.backends.deepspeed_learner import TOKEN_ENV, join, node_token, torchrun_command
+    from runtime.backends.deepspeed_learner import LEARNER_TOKEN_ENV, join, node_token, torchrun_command
 
     cmd = torchrun_command(2, 3, 1, "10.0.0.5", 29500)
     assert "--nnodes=3" in cmd and "--node_rank=1" in cmd and "--nproc_per_node=2" in cmd
     assert "--rdzv_backend=c10d" in cmd and "--rdzv_endpoint=10.0.0.5:29500" in cmd and "--rdzv_conf=is_host=0" in cmd
     assert "--rdzv_conf=is_host=1" in torchrun_command(2, 3, 0, "10.0.0.5", 29500)
-    monkeypatch.delenv(TOKEN_ENV, raising=False)
-    with pytest.raises(ValueError, match=TOKEN_ENV):
+    monkeypatch.delenv(LEARNER_TOKEN_ENV, raising=False)
+    with pytest.raises(ValueError, match=LEARNER_TOKEN_ENV):
         node_token()
     with pytest.raises(SystemExit):
         join(["--nodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1"])
@@ -73,18 +73,18 @@ def test_join_command_and_validation(monkeypatch):
 @pytest.mark.slow  # 3 DeepSpeed ranks in 2 torchrun launches + a 2-rank launch: minutes on a busy 2-core machine
 def test_two_nodes_on_loopback_equal_one_node_and_one_rank(tiny_model, tmp_path, monkeypatch):
     from envs.spawn import free_port
-    from tasks.backends.deepspeed_learner import TOKEN_ENV, DeepSpeedRemoteLearner
+    from runtime.backends.deepspeed_learner import LEARNER_TOKEN_ENV, DeepSpeedRemoteLearner
 
     case = "token_mean_one_step"
     kw, old_for_reward = CASES[case]
     ds_config = _sgd_config(tmp_path)
-    monkeypatch.setenv(TOKEN_ENV, os.urandom(16).hex())
+    monkeypatch.setenv(LEARNER_TOKEN_ENV, os.urandom(16).hex())
     port = free_port()  # the rendezvous; node 0's control connection listens on port + 1
     common = dict(zero_stage=2, config_path=ds_config, threads_per_rank=1, startup_timeout_s=600)
 
     # node 1: what another machine runs (started first: it waits at the rendezvous for node 0)
     log1 = open(tmp_path / "node1.log", "wb")
-    node1 = subprocess.Popen([sys.executable, "-m", "tasks.backends.deepspeed_learner", "join", "--nodes", "2",
+    node1 = subprocess.Popen([sys.executable, "-m", "runtime.backends.deepspeed_learner", "join", "--nodes", "2",
                               "--node-rank", "1", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
                               "--master-port", str(port), "--threads-per-rank", "1"],
                              cwd=str(ROOT), stdout=log1, stderr=subprocess.STDOUT, start_new_session=True)
@@ -110,7 +110,7 @@ def test_two_nodes_on_loopback_equal_one_node_and_one_rank(tiny_model, tmp_path,
 
     trajs, advs = _batch()
     _, stats, one_rank = _one_rank(tiny_model, kw, trajs, advs, old_for_reward)
-    from tasks.backends.learner import load_causal_lm
+    from runtime.backends.learner import load_causal_lm
 
     assert _max_diff(one_rank, load_causal_lm(tiny_model).state_dict()) > 1e-2  # the update moved the weights
     assert _max_diff(got["weights"], two_ranks["weights"]) < TOL

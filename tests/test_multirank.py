@@ -59,7 +59,7 @@ CASES = {  # name: (LearnerConfig kwargs, prepare's old_for_reward)
 
 
 def _cfg(kw):
-    from tasks.backends.learner import LearnerConfig
+    from runtime.backends.learner import LearnerConfig
 
     return LearnerConfig(lr=0.5, grad_clip=1e9, micro_batch_size=2, bf16_autocast=False, **kw)
 
@@ -71,7 +71,7 @@ def _rank(rank: int, port: int, model_dir: str, ds_config: str, out: str) -> Non
     import torch
 
     torch.set_num_threads(1)
-    from tasks.backends.deepspeed_learner import DeepSpeedLearner
+    from runtime.backends.deepspeed_learner import DeepSpeedLearner
 
     results = {}
     for name, (kw, old_for_reward) in CASES.items():
@@ -91,7 +91,7 @@ def tiny_model(tmp_path_factory):
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from tasks.backends.model import resolve_model
+    from runtime.backends.model import resolve_model
 
     d = tmp_path_factory.mktemp("tiny-llama")
     torch.manual_seed(0)
@@ -120,7 +120,7 @@ def two_ranks(tiny_model, tmp_path_factory):
 def _one_rank(model_dir, kw, trajs, advs, old_for_reward):
     import torch
 
-    from tasks.backends.learner import TorchLearner
+    from runtime.backends.learner import TorchLearner
 
     learner = TorchLearner(model_dir, _cfg(kw))
     learner.opt = torch.optim.SGD(learner.model.parameters(), lr=learner.cfg.lr)
@@ -136,7 +136,7 @@ def _max_diff(a, b):
 @pytest.mark.slow  # 2 spawned ranks import DeepSpeed and build 2 learners each: minutes on a busy 2-core machine
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_rank_update_equals_one_rank_update(two_ranks, tiny_model, case):
-    from tasks.backends.learner import load_causal_lm
+    from runtime.backends.learner import load_causal_lm
 
     kw, old_for_reward = CASES[case]
     trajs, advs = _batch()
@@ -155,7 +155,7 @@ def test_two_rank_update_equals_one_rank_update(two_ranks, tiny_model, case):
 @pytest.mark.parametrize("case", list(CASES))
 def test_sharded_prepare_gathers_the_whole_batch(two_ranks, tiny_model, case):
     """Each rank computed only its share of the old / reference log-probs; gathered, they are the whole batch's."""
-    from tasks.backends.learner import TorchLearner
+    from runtime.backends.learner import TorchLearner
 
     kw, old_for_reward = CASES[case]
     trajs, _ = _batch()
@@ -176,7 +176,7 @@ def test_sharded_prepare_gathers_the_whole_batch(two_ranks, tiny_model, case):
 def test_per_rank_normalisation_would_fail(tiny_model):
     """The old behaviour (each rank normalised by its own shard, then the gradients averaged) is, for one SGD
     step, the mean of the one-rank updates on each shard: far outside the tolerance above."""
-    from tasks.backends.deepspeed_learner import shard_for_rank
+    from runtime.backends.deepspeed_learner import shard_for_rank
 
     kw, _ = CASES["token_mean_one_step"]
     trajs, advs = _batch()
@@ -190,8 +190,8 @@ def test_per_rank_normalisation_would_fail(tiny_model):
 
 
 def test_merge_prepared_puts_the_shares_rows_in_batch_order():
-    from tasks.backends.deepspeed_learner import merge_prepared
-    from tasks.backends.learner import Prepared
+    from runtime.backends.deepspeed_learner import merge_prepared
+    from runtime.backends.learner import Prepared
 
     a = Prepared(live=[1, 5], seqs=[[1], [5]], old=[[-1.0], [-5.0]], ref=None, values=None)
     b = Prepared(live=[3], seqs=[[3]], old=[[-3.0]], ref=None, values=None)

@@ -31,7 +31,7 @@ def test_settings_validation():
 
 def test_latest_version_and_previous_night(tmp_path):
     from flows.nightly import latest_version, previous_night
-    from tasks.tracking import Tracker
+    from storage.tracking import Tracker
 
     tr = Tracker(f"sqlite:///{tmp_path / 'm.db'}", "scalinginter", artifact_root=tmp_path / "art")
     assert latest_version(tr.client, "babyai") is None
@@ -56,7 +56,7 @@ def test_latest_version_and_previous_night(tmp_path):
 
 def test_previous_version_and_per_task_tags(tmp_path):
     from flows.nightly import decode_successes, encode_successes, eval_key, previous_version
-    from tasks.tracking import Tracker
+    from storage.tracking import Tracker
 
     tr = Tracker(f"sqlite:///{tmp_path / 'm.db'}", "scalinginter", artifact_root=tmp_path / "art")
     rid = tr.start_run("r/phase-1")
@@ -116,7 +116,7 @@ def _wait_final(client, run_id, timeout=300):
 @pytest.mark.slow
 def test_nightly_deployment_schedule_and_runs(stack, tmp_path):
     from flows.stack import client_env
-    from tasks.tracking import Tracker
+    from storage.tracking import Tracker
 
     env = {**os.environ, "PREFECT_HOME": str(Path(stack["dir"]) / "prefect-home"), **client_env(stack), "PWD": str(ROOT)}
     p = subprocess.run([str(Path(sys.executable).with_name("prefect")), "--no-prompt", "deploy", "--name",

@@ -10,7 +10,8 @@ def test_model_load_failure_does_not_leave_the_mlflow_run_running(tmp_path):
     from mlflow.tracking import MlflowClient
 
     from flows.config import build_config
-    from flows.scalinginter import make_tracker, phase_flow
+    from tasks.runs import make_tracker
+    from flows.scalinginter import phase_flow
     from tasks import steps as T
 
     broken = tmp_path / "broken-model"  # a folder that looks like an HF model and fails to load
@@ -42,10 +43,10 @@ def test_tasks_take_and_return_values(tmp_path):
 
     from flows.config import build_config
     from tasks import steps as T
-    from tasks.backends.generation import SamplingParams
-    from tasks.backends.model import resolve_model
-    from tasks.env_sessions import local_factory
-    from tasks.rollout import EpisodeSpec, run_rollout
+    from runtime.backends.generation import SamplingParams
+    from runtime.backends.model import resolve_model
+    from runtime.env_sessions import local_factory
+    from runtime.rollout import EpisodeSpec, run_rollout
 
     tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
     torch.manual_seed(0)
@@ -87,8 +88,9 @@ def test_resume_verifies_hashes_and_falls_back_to_the_previous_complete_checkpoi
     is named in the error; resume skips the damaged checkpoint, with a warning, for the phase's previous one,
     and with none left starts the phase from the previous phase's result."""
     from flows.config import build_config
-    from flows.scalinginter import PhasePlan, local_model_dir, resume_source
-    from tasks.checkpoint_store import CheckpointCorrupted, join_uri, save_checkpoint, write_latest
+    from tasks.resume import PhasePlan, resume_source
+    from tasks.runs import local_model_dir
+    from storage.checkpoint_store import CheckpointCorrupted, join_uri, save_checkpoint, write_latest
 
     cfg = build_config("toy", None, [f"output_dir={tmp_path}", "run_name=r",
                                      'curriculum.phases=[{"turn_limit": 1, "steps": 5}]'])

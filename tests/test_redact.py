@@ -52,8 +52,9 @@ def test_run_records_hold_no_uri_password(tmp_path):
     """A config with credentials in env.url and tracking.uri; write what a run writes from it (config.json, the
     parent run's MLflow params in a real sqlite store, a checkpoint's trainer_state.json) and grep every byte."""
     from flows.config import build_config
-    from flows.scalinginter import PhasePlan, PhaseProgress, recorded_config, run_dir, write_run_config
-    from tasks.tracking import Tracker
+    from tasks.resume import PhasePlan, PhaseProgress
+    from tasks.runs import recorded_config, run_dir, write_run_config
+    from storage.tracking import Tracker
 
     cfg = build_config("babyai", "tiny", [f"output_dir={tmp_path / 'out'}", "run_name=secret-run",
                                           f"env.url=http://alice:{PW}@127.0.0.1:9/",

@@ -46,8 +46,8 @@ def test_killed_run_resumes_exactly(tmp_path, toy_policy):
 @pytest.mark.slow
 def test_killed_async_vllm_run_resumes_exactly(tmp_path, toy_policy):
     """Issue 16: a resumed run whose rollout ran per-episode on vLLM samples the same tokens as an uninterrupted one."""
-    from tasks.backends.vllm_backend import VLLMBackend
-    from tasks.rollout import RolloutRuntime, uses_async_episodes
+    from runtime.backends.vllm_backend import VLLMBackend
+    from runtime.rollout import RolloutRuntime, uses_async_episodes
 
     # the vLLM backend offers a request engine, so the flag above makes the rollout per-episode
     assert uses_async_episodes(RolloutRuntime(backend=VLLMBackend.__new__(VLLMBackend), chat=None, make_env=None))

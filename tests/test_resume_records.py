@@ -112,7 +112,7 @@ def test_allow_changes_parses_from_set():
 
 # --- adapters ----------------------------------------------------------------------------------------------
 def test_tracker_logs_a_step_once_across_trackers(tmp_path):
-    from tasks.tracking import Tracker
+    from storage.tracking import Tracker
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     t = Tracker(uri, "e")
@@ -127,7 +127,7 @@ def test_tracker_logs_a_step_once_across_trackers(tmp_path):
 
 
 def test_trim_metrics_file_rewrites_only_when_needed(tmp_path):
-    from flows.scalinginter import trim_metrics_file
+    from tasks.recording import trim_metrics_file
 
     p = tmp_path / "metrics.jsonl"
     trim_metrics_file(p, 3)  # no file: nothing to do
@@ -142,7 +142,7 @@ def test_trim_metrics_file_rewrites_only_when_needed(tmp_path):
 
 def test_final_position_is_the_checkpoints_own(tmp_path):
     from flows.config import build_config
-    from flows.scalinginter import PhasePlan, final_position
+    from tasks.resume import PhasePlan, final_position
 
     phases = '[{"turn_limit": 1, "steps": 5}, {"turn_limit": 2, "steps": 6}]'
     cfg = build_config("toy", None, [f"output_dir={tmp_path}", "run_name=g", "curriculum.mode=gated",
@@ -157,7 +157,7 @@ def test_eval_of_a_truncated_checkpoint_is_one_line(tmp_path):
     from typer.testing import CliRunner
 
     from flows.cli import app
-    from tasks.checkpoint_store import save_checkpoint
+    from storage.checkpoint_store import save_checkpoint
 
     src = tmp_path / "src"
     src.mkdir()
@@ -179,7 +179,7 @@ def tiny_model(tmp_path_factory):
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from tasks.backends.model import resolve_model
+    from runtime.backends.model import resolve_model
 
     tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
     torch.manual_seed(0)
@@ -213,7 +213,9 @@ def _steps(out):
 def test_resumed_run_records_each_step_once_and_checks_its_config(tmp_path, tiny_model, monkeypatch):
     from mlflow.tracking import MlflowClient
 
-    from flows.scalinginter import FAULT_ENV, PhasePlan, finished_phase, make_tracker, open_phase, scalinginter
+    from tasks.resume import FAULT_ENV, PhasePlan
+    from flows.scalinginter import finished_phase, open_phase, scalinginter
+    from tasks.runs import make_tracker
 
     cfg = _config(tmp_path, tiny_model)
     monkeypatch.setenv(FAULT_ENV, "3")  # step 3 has no checkpoint (every 2 steps): it runs again on resume

@@ -7,16 +7,16 @@ import pytest
 
 from core.chat import ChatFormat
 from envs.toy import ToyEnv
-from tasks.backends.generation import Generation, SamplingParams
-from tasks.env_sessions import LocalEpisode
-from tasks.rollout import EpisodeSpec, run_rollout
+from runtime.backends.generation import Generation, SamplingParams
+from runtime.env_sessions import LocalEpisode
+from runtime.rollout import EpisodeSpec, run_rollout
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from tasks.backends.model import resolve_model
+    from runtime.backends.model import resolve_model
 
     return AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
 
@@ -73,7 +73,7 @@ def test_token_exact_multi_turn(tokenizer):
     # the sequence is exactly: prompt | reply1 ids | env ids | reply2 ids
     a1 = tokenizer(replies[0], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     a2 = tokenizer(replies[1], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    env_ids = chat.env_turn_ids(t.info["observations"][0], reply_ended_with_eos=True)
+    env_ids = chat.env_turn_ids(t.observations[0], reply_ended_with_eos=True)
     p = t.prompt_len
     assert t.token_ids[p:] == a1 + env_ids + a2
     assert t.loss_mask == [0] * p + [1] * len(a1) + [0] * len(env_ids) + [1] * len(a2)
@@ -112,7 +112,7 @@ def test_reply_without_eos_gets_closing_delimiter(tokenizer):
     trajs, _, _, chat = run(tokenizer, ["thinking"], [EpisodeSpec(0, 0)], turn_limit=2, eos=False)
     t = trajs[0]
     a = tokenizer("thinking", add_special_tokens=False)["input_ids"]
-    env_ids = chat.env_turn_ids(t.info["observations"][0], reply_ended_with_eos=False)
+    env_ids = chat.env_turn_ids(t.observations[0], reply_ended_with_eos=False)
     assert env_ids[0] == tokenizer.eos_token_id  # the template's turn-closing token is added for the env
     assert t.token_ids[t.prompt_len:t.prompt_len + len(a) + len(env_ids)] == a + env_ids
 
@@ -121,7 +121,7 @@ def test_http_rollout_masks_episodes_of_a_dead_server_then_restart_recovers(toke
     """Real env server process: killed -> episodes masked (never scored 0); restarted -> episodes run."""
     from envs.client import AsyncEnvClient
     from envs.spawn import EnvServerProcess
-    from tasks.env_sessions import HttpEpisode
+    from runtime.env_sessions import HttpEpisode
 
     with EnvServerProcess("toy") as server:
         def run_http():
@@ -192,7 +192,7 @@ def test_max_live_bounds_concurrent_episodes_and_seeds_do_not_depend_on_it(token
     assert all(t.finish_reason in ("success", "failure", "turn_limit") for t in trajs)
     assert [t.task_id for t in trajs] == list(range(7))
     # the seed of an episode's turn is a function of (seed, episode, turn), whatever ran beside it
-    from tasks.rollout import episode_seed
+    from runtime.rollout import episode_seed
 
     expected = [episode_seed(5, i, turn) for i, t in enumerate(trajs) for turn in range(t.turns)]
     assert sorted(backend.seeds) == sorted(expected) and len(set(expected)) == len(expected)
@@ -224,7 +224,7 @@ class FlakyOnce(LocalEpisode):
 
 def _retrying(tok, specs, make, retries, heal=None, seed=None):
     """The rollout entry point: a request (episodes, turn limit, budgets, seed) on a runtime (backend, envs, retries)."""
-    from tasks.rollout import RolloutRequest, RolloutRuntime, rollout
+    from runtime.rollout import RolloutRequest, RolloutRuntime, rollout
 
     backend = SeedRecorder(tok) if seed is not None else Scripted(tok, ["Action: open door 1"])
     req = RolloutRequest(specs, turn_limit=2, params=SamplingParams(16, 1.0), token_budget=2048, seed=seed)
@@ -234,7 +234,7 @@ def _retrying(tok, specs, make, retries, heal=None, seed=None):
 
 
 def test_masked_episodes_are_retried_after_heal_with_their_own_seeds(tokenizer):
-    from tasks.rollout import episode_seed
+    from runtime.rollout import episode_seed
 
     FlakyOnce.bad, FlakyOnce.failed = {1, 3}, set()
     healed = []
@@ -248,8 +248,8 @@ def test_masked_episodes_are_retried_after_heal_with_their_own_seeds(tokenizer):
     assert healed == [1] and stats.servers_replaced == 1
     assert stats.retried_episodes == 2 and stats.recovered_episodes == 2
     assert not any(t.masked for t in trajs) and [t.task_id for t in trajs] == [0, 1, 2, 3]
-    assert [t.info.get("attempt", 1) for t in trajs] == [1, 2, 1, 2]
-    assert "env server died" in trajs[1].info["earlier_errors"][0]
+    assert [t.attempt for t in trajs] == [1, 2, 1, 2]
+    assert "env server died" in trajs[1].earlier_errors[0]
     # the retried episodes sampled with their own indices' seeds: (seed, 1, 0) twice, never (seed, 0, 0) again
     first_turn = [episode_seed(9, i, 0) for i in range(4)]
     assert sorted(s for s in backend.seeds if s in first_turn) == sorted(first_turn + [first_turn[1], first_turn[3]])
@@ -267,8 +267,8 @@ def test_without_retries_or_when_failing_again_the_episode_stays_masked(tokenize
         return Crashing(ToyEnv()) if i == 0 else LocalEpisode(ToyEnv())
 
     trajs, stats, _ = _retrying(tokenizer, [EpisodeSpec(0, 0), EpisodeSpec(1, 1)], make, retries=2)
-    assert trajs[0].masked and trajs[0].finish_reason == "env_error" and trajs[0].info["attempt"] == 3
-    assert len(trajs[0].info["earlier_errors"]) == 2 and not trajs[1].masked
+    assert trajs[0].masked and trajs[0].finish_reason == "env_error" and trajs[0].attempt == 3
+    assert len(trajs[0].earlier_errors) == 2 and not trajs[1].masked
     assert stats.retried_episodes == 2 and stats.recovered_episodes == 0
 
 
@@ -277,8 +277,8 @@ def test_http_server_killed_mid_rollout_is_replaced_and_its_episodes_rerun(token
     replaced on its port, and they run again to a score. The other server's episodes are untouched."""
     from envs.client import AsyncEnvClient
     from envs.spawn import EnvServerProcess
-    from tasks.env_sessions import HttpEpisode
-    from tasks.rollout import run_rollout_retrying
+    from runtime.env_sessions import HttpEpisode
+    from runtime.rollout import run_rollout_retrying
 
     with EnvServerProcess("toy") as a, EnvServerProcess("toy") as b:
         port, pid = b.port, b.pid
@@ -313,17 +313,17 @@ def test_http_server_killed_mid_rollout_is_replaced_and_its_episodes_rerun(token
         assert b.alive() and b.port == port and b.pid != pid  # replaced on the same port
         assert stats.servers_replaced == 1 and stats.retried_episodes == 3 and stats.recovered_episodes == 3
         assert not any(t.masked for t in trajs)
-        assert [t.info.get("attempt", 1) for t in trajs] == [1, 2, 1, 2, 1, 2]
+        assert [t.attempt for t in trajs] == [1, 2, 1, 2, 1, 2]
         assert all(t.finish_reason in ("success", "failure", "turn_limit") and t.turns >= 1 for t in trajs)
-        assert all(t.turns >= 2 and "attempt" not in t.info for t in trajs[0::2])  # server a's ran on, unaffected
+        assert all(t.turns >= 2 and t.attempt == 1 for t in trajs[0::2])  # server a's ran on, unaffected
 
 
 def test_a_task_index_the_env_refuses_is_a_config_error_not_a_masked_episode(tokenizer):
     """HTTP 400 bad_data_idx (e.g. env.task_pool larger than the env's split) fails the rollout with the fix."""
     from envs.client import AsyncEnvClient
     from envs.spawn import EnvServerProcess
-    from tasks.env_sessions import HttpEpisode
-    from tasks.rollout import EnvConfigError
+    from runtime.env_sessions import HttpEpisode
+    from runtime.rollout import EnvConfigError
 
     with EnvServerProcess("toy") as server:
         async def go():
@@ -340,7 +340,7 @@ def test_a_task_index_the_env_refuses_is_a_config_error_not_a_masked_episode(tok
 
 
 def test_rollout_stats_add_work_sums_the_work_and_keeps_the_episode_count():
-    from tasks.rollout import RolloutStats
+    from runtime.rollout import RolloutStats
 
     a = RolloutStats(episodes=4, generated_tokens=10, env_steps=3, gen_time_s=1.0, env_time_s=0.5, wall_time_s=2.0,
                      retried_episodes=1)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks import checkpoint_store as cs
+from storage import checkpoint_store as cs
 from tests.toypolicy import toy_run_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ def aws_env(moto_url, monkeypatch, tmp_path):
 
 WRITER = textwrap.dedent("""
     import os, sys, time
-    from tasks import checkpoint_store as cs
+    from storage import checkpoint_store as cs
     src, uri = sys.argv[1], sys.argv[2]
     opts = cs.S3Options(multipart_threshold=5 * 2**20, multipart_chunksize=5 * 2**20, max_concurrency=1)
     client = cs._s3_client(opts)  # the cached client save_checkpoint will use
@@ -97,7 +97,7 @@ def test_killed_multipart_upload_leaves_no_usable_checkpoint(aws_env, tmp_path):
 
 
 def test_credentials_from_a_prefect_block(aws_env, monkeypatch, tmp_path):
-    from tasks.s3_block import S3Credentials, apply_s3_block
+    from storage.s3_block import S3Credentials, apply_s3_block
 
     env, bucket = aws_env
     S3Credentials(endpoint_url=env["AWS_ENDPOINT_URL"], region="us-east-1", aws_access_key_id="testing",

@@ -15,7 +15,7 @@ import torch
 def tiny_model(tmp_path_factory):
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from tasks.backends.model import resolve_model
+    from runtime.backends.model import resolve_model
 
     d = tmp_path_factory.mktemp("tiny")
     tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
@@ -42,7 +42,7 @@ def _batch(n=4, length=24):
 
 
 def test_resume_loads_every_state_with_weights_only(tiny_model, tmp_path, monkeypatch):
-    from tasks.backends.learner import LearnerConfig, TorchLearner
+    from runtime.backends.learner import LearnerConfig, TorchLearner
 
     calls = []
     real_load = torch.load
@@ -88,7 +88,7 @@ class _RunsCode:
 
 
 def test_a_pickle_that_runs_code_is_refused(tmp_path, monkeypatch):
-    from tasks.backends.safe_load import UnsafeCheckpointFile, load_plain
+    from runtime.backends.safe_load import UnsafeCheckpointFile, load_plain
 
     marker = tmp_path / "pwned"
     monkeypatch.setenv("SI_PWNED", str(marker))

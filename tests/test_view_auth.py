@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
-from flows.view_auth import COOKIE, VIEW_TOKEN_ENV, login_url, resolve_token
-from flows.viewer import create_app
+from flows.viewer.auth import COOKIE, VIEW_TOKEN_ENV, login_url, resolve_token
+from flows.viewer.app import create_app
 
 
 def test_token_is_required_off_loopback_and_generated_when_missing():

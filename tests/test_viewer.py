@@ -123,12 +123,11 @@ def _traj(task: int, k: int, turns: int, success: bool, category: str | None = "
         if j < turns - 1:
             t.add_env([5, 6])
     t.finish("success" if success else "turn_limit", success)
-    t.info.update({"first_observation": f"\nfirst {k}", "replies": replies, "observations": obs,
-                   "actions": [f"go to red ball {j}" for j in range(turns)],
-                   "invalid_actions": [j == 0 and not success for j in range(turns)], "turn_limit": turns,
-                   "advantages": [0.5 * m for m in t.loss_mask]})
+    t.first_observation, t.replies, t.observations = f"\nfirst {k}", replies, obs
+    t.actions = [f"go to red ball {j}" for j in range(turns)]
+    t.invalid_actions, t.turn_limit = [j == 0 and not success for j in range(turns)], turns
     if category:
-        t.info["category"] = category
+        t.category = category
     return t
 
 
@@ -138,8 +137,9 @@ def runs(tmp_path):
 
     run = tmp_path / "r1"
     trajs = [_traj(100 + i // 2, i, 1 + i % 3, i % 4 == 0, None if i == 1 else "GoToObj") for i in range(120)]
-    write_rollout_parquet(trajs[:60], run / "rollouts" / "step-000001.parquet", 1, 0)
-    write_rollout_parquet(trajs[60:], run / "rollouts" / "step-000003.parquet", 2, 2)
+    adv = [[0.5 * m for m in t.loss_mask] for t in trajs]  # what the update used, per token
+    write_rollout_parquet(trajs[:60], run / "rollouts" / "step-000001.parquet", 1, 0, advantages=adv[:60])
+    write_rollout_parquet(trajs[60:], run / "rollouts" / "step-000003.parquet", 2, 2, advantages=adv[60:])
     (run / "config.json").write_text(json.dumps({"env": {"name": "babyai"}, "model": {"path": "/nonexistent/model"},
                                                  "algo": {"estimator": "grpo"}, "output_dir": str(tmp_path),
                                                  "curriculum": {"phases": [{"turn_limit": 2, "steps": 2},
@@ -164,7 +164,7 @@ def runs(tmp_path):
 def client(runs):
     from fastapi.testclient import TestClient
 
-    from flows.viewer import create_app
+    from flows.viewer.app import create_app
 
     return TestClient(create_app(runs[0], tracking_uri=None), raise_server_exceptions=False)
 
@@ -195,12 +195,12 @@ def test_episode_page_is_the_stored_trajectory(client, runs):
     assert r.status_code == 200
     from html import escape
 
-    for j, reply in enumerate(t.info["replies"]):
-        act = t.info["actions"][j]
+    for j, reply in enumerate(t.replies):
+        act = t.actions[j]
         i = reply.rfind(act)
         assert escape(reply[:i]) + f'<mark class="action">{escape(act)}</mark>' in r.text
         assert f'data-reward="{t.turn_rewards[j]!r}"' in r.text
-    assert escape(t.info["observations"][0]) in r.text and "category</dt><dd>GoToObj" in r.text
+    assert escape(t.observations[0]) in r.text and "category</dt><dd>GoToObj" in r.text
     assert 'class="badge invalid"' in r.text  # turn 1 of a failed episode is flagged in this data
     r = client.get("/runs/r1/steps/1/episodes/1")
     assert "category</dt><dd>-" in r.text  # no category: '-'

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks.backends.generation import SamplingParams
-from tasks.backends.hardware import native_bf16
-from tasks.backends.vllm_backend import cpu_env, to_generation
+from runtime.backends.generation import SamplingParams
+from runtime.backends.hardware import native_bf16
+from runtime.backends.vllm_backend import cpu_env, to_generation
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -59,7 +59,7 @@ def test_config_accepts_vllm_and_rejects_unknown_backend():
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm not installed")
 def test_engine_in_process_is_auto_on_cpu_with_the_torch_learner():
     from flows.config import build_config
-    from tasks.backends import vllm_backend as vb
+    from runtime.backends import vllm_backend as vb
 
     cpu = vb.is_cpu_build()
     assert vb.engine_in_process(build_config("babyai", "smoke")) == cpu
@@ -88,9 +88,9 @@ def _engine_matches_learner_after_sync(device_ok: bool, dtype: str, autocast: bo
     import torch
 
     from core.trajectory import Trajectory
-    from tasks.backends.learner import LearnerConfig, TorchLearner
-    from tasks.backends.model import resolve_model
-    from tasks.backends.vllm_backend import VLLMBackend, named_weights_fn
+    from runtime.backends.learner import LearnerConfig, TorchLearner
+    from runtime.backends.model import resolve_model
+    from runtime.backends.vllm_backend import VLLMBackend, named_weights_fn
 
     path = resolve_model("smollm2-135m")
     torch.manual_seed(0)
@@ -145,7 +145,7 @@ def _engine_matches_learner_after_sync(device_ok: bool, dtype: str, autocast: bo
         assert mx < max_tol and mean < mean_tol
         assert engine.syncs == 1
         # the old path (an HF folder written by the learner) still works: same weights, same log-probs
-        from tasks.backends.vllm_backend import export_fn
+        from runtime.backends.vllm_backend import export_fn
 
         engine.named_weights, engine.export_weights = None, export_fn(learner)
         engine.sync_weights()
@@ -186,8 +186,8 @@ def test_cuda_vllm_generates_and_syncs():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available() or not HAS_VLLM:
         pytest.skip("needs CUDA and vllm")
-    from tasks.backends.model import resolve_model
-    from tasks.backends.vllm_backend import VLLMBackend, is_cpu_build
+    from runtime.backends.model import resolve_model
+    from runtime.backends.vllm_backend import VLLMBackend, is_cpu_build
 
     if is_cpu_build():
         pytest.skip("CPU build of vLLM")

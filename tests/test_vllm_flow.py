@@ -28,8 +28,8 @@ def test_tiny_run_with_vllm_rollout_and_deepspeed_learner(tmp_path):
     assert all(r["train/logprob_mismatch"] < 0.5 for r in rows)  # bf16 engine vs learner: small, not zero
     final = tmp_path / "checkpoints" / "v" / "phase-2" / "final"
     assert (final / "model.safetensors").exists() and (final / "deepspeed" / "layout.json").exists()
-    from tasks.backends.learner import load_causal_lm
-    from tasks.backends.model import resolve_model
+    from runtime.backends.learner import load_causal_lm
+    from runtime.backends.model import resolve_model
 
     a = load_causal_lm(str(final)).state_dict()
     b = load_causal_lm(resolve_model("smollm2-135m")).state_dict()

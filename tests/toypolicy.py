@@ -72,7 +72,7 @@ def make_toy_policy(d: Path, hidden: int = 64, heads: int = 2, layers: int = 2) 
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from tasks.backends.model import resolve_model
+    from runtime.backends.model import resolve_model
 
     tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
     torch.manual_seed(0)

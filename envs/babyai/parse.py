@@ -16,8 +16,8 @@ index ("go to red ball") is accepted when exactly one available action fits.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Optional
+
+from envs.react import ParseResult
 
 # One character class between "action" and ":" (never two adjacent quantifiers that can trade characters), so a
 # long run of spaces or emphasis costs linear time, not quadratic.
@@ -26,16 +26,6 @@ _NEXT_WORD = re.compile(r" *(\S+)")
 _ARTICLES = {"the", "a", "an"}
 _OBJECT_WORDS = {"red", "green", "blue", "purple", "yellow", "grey", "gray", "ball", "key", "box", "door", "object"}
 _STRIP_CHARS = " \t\"'`*_<>[](){}.,;:!?"
-
-
-@dataclass(frozen=True)
-class ParseResult:
-    action: Optional[str]  # one of ``available`` (exact spelling), or None
-    error: Optional[str]  # why nothing was accepted, or None
-
-    @property
-    def ok(self) -> bool:
-        return self.action is not None
 
 
 def normalize(text: str) -> str:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Optional
+
+from envs.react import ParseResult
 
 KINDS = ("search", "answer")
 # Tags are found with plain patterns and paired up by hand: a lazy ``<tag>.*?</tag>`` pattern rescans the rest
@@ -29,16 +30,6 @@ HOW = "Reply with <search>query</search> to search, or <answer>text</answer> to 
 class Action:
     kind: str  # "search" | "answer"
     text: str  # the query or the answer, whitespace collapsed
-
-
-@dataclass(frozen=True)
-class ParseResult:
-    action: Optional[Action]
-    error: Optional[str]
-
-    @property
-    def ok(self) -> bool:
-        return self.action is not None
 
 
 def _clean(text: str) -> str:

@@ -15,26 +15,15 @@ inventory has the inputs) is the game's business, not the parser's.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Optional
 
-from envs.react import action_lines, default_normalize, extract_action
+from envs.react import ParseResult, action_lines, default_normalize, extract_action
 
 FORMATS = ("get N item", "craft N item using N item, N item, ...", "inventory")
 _ITEM = r"[a-z][a-z0-9' -]*?"
 _GET = re.compile(rf"^get\s+(\d+)\s+({_ITEM})$")
 _CRAFT = re.compile(rf"^craft\s+(\d+)\s+({_ITEM})\s+using\s+(.+)$")
 _COUNTED = re.compile(rf"^(\d+)\s+({_ITEM})$")
-
-
-@dataclass(frozen=True)
-class Parsed:
-    action: Optional[str]
-    error: Optional[str]
-
-    @property
-    def ok(self) -> bool:
-        return self.action is not None
 
 
 def normalize(text: str) -> str:
@@ -51,53 +40,53 @@ def _count(raw: str, what: str) -> tuple[Optional[int], Optional[str]]:
     return n, None
 
 
-def canonical(action: str) -> Parsed:
+def canonical(action: str) -> ParseResult:
     """Check the syntax of one normalized action and return its canonical spelling."""
     a = normalize(action)
     if a in ("inventory", "check inventory", "look"):  # "look": AgentGym's client sends inventory for it
-        return Parsed("inventory", None)
+        return ParseResult("inventory", None)
     m = _GET.match(a)
     if m:
         n, err = _count(m.group(1), m.group(2))
-        return Parsed(f"get {n} {m.group(2).strip()}", None) if err is None else Parsed(None, err)
+        return ParseResult(f"get {n} {m.group(2).strip()}", None) if err is None else ParseResult(None, err)
     m = _CRAFT.match(a)
     if m:
         n, err = _count(m.group(1), m.group(2))
         if err:
-            return Parsed(None, err)
+            return ParseResult(None, err)
         parts = [p.strip() for p in m.group(3).split(",") if p.strip()]
         if not parts:
-            return Parsed(None, "craft needs ingredients after 'using'")
+            return ParseResult(None, "craft needs ingredients after 'using'")
         ins = []
         for p in parts:
             pm = _COUNTED.match(p)
             if not pm:
-                return Parsed(None, f"ingredient '{p}' must be 'N item' (a count, then the item)")
+                return ParseResult(None, f"ingredient '{p}' must be 'N item' (a count, then the item)")
             k, err = _count(pm.group(1), pm.group(2))
             if err:
-                return Parsed(None, err)
+                return ParseResult(None, err)
             ins.append(f"{k} {pm.group(2).strip()}")
-        return Parsed(f"craft {n} {m.group(2).strip()} using {', '.join(ins)}", None)
+        return ParseResult(f"craft {n} {m.group(2).strip()} using {', '.join(ins)}", None)
     if a.startswith("get "):
-        return Parsed(None, "'get' needs a count and an item, e.g. 'get 1 oak log'")
+        return ParseResult(None, "'get' needs a count and an item, e.g. 'get 1 oak log'")
     if a.startswith("craft "):
-        return Parsed(None, "'craft' must look like 'craft N item using N item, N item'")
-    return Parsed(None, f"'{_clip(a)}' is not a TextCraft action")
+        return ParseResult(None, "'craft' must look like 'craft N item using N item, N item'")
+    return ParseResult(None, f"'{_clip(a)}' is not a TextCraft action")
 
 
-def parse_action(reply: str, menu: list[str] | None = None) -> Parsed:
+def parse_action(reply: str, menu: list[str] | None = None) -> ParseResult:
     """The well-formed action a reply asks for, or why there is none. With an action ``menu`` (the
     ``show_actions`` option) a reply without an ``Action:`` line is also accepted when exactly one distinct menu
     action occurs in it, BabyAI's rule for its list of available actions."""
     ex = extract_action(reply, normalize)
-    parsed = canonical(ex.action) if ex.ok else Parsed(None, ex.error)
+    parsed = canonical(ex.action) if ex.ok else ParseResult(None, ex.error)
     if parsed.ok or not menu or not isinstance(reply, str) or action_lines(reply):
         return parsed
     found = menu_matches(reply, menu)
     if len(found) == 1:
         return canonical(found[0])
     if len(found) > 1:
-        return Parsed(None, f"one action per turn, but the reply names {len(found)} actions "
+        return ParseResult(None, f"one action per turn, but the reply names {len(found)} actions "
                             f"({', '.join(repr(a) for a in found[:3])})")
     return parsed
 

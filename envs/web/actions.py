@@ -23,6 +23,8 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
+from envs.react import ParseResult
+
 KINDS = ("click", "type", "hover", "press", "scroll", "goto", "go_back", "go_forward", "new_tab", "tab_focus",
          "close_tab", "stop")
 _ALIASES = {"goback": "go_back", "go back": "go_back", "goforward": "go_forward", "go forward": "go_forward",
@@ -61,16 +63,6 @@ class Action:
         if k == "tab_focus":
             return f"tab_focus [{self.number}]"
         return k
-
-
-@dataclass(frozen=True)
-class ParseResult:
-    action: Optional[Action]
-    error: Optional[str]
-
-    @property
-    def ok(self) -> bool:
-        return self.action is not None
 
 
 def _clip(s: str, n: int = 80) -> str:

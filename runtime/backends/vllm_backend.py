@@ -52,8 +52,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from tasks.backends.generation import Generation, SamplingParams
-from tasks.backends.hardware import resolve_vllm_dtype
+from runtime.backends.generation import Generation, SamplingParams
+from runtime.backends.hardware import resolve_vllm_dtype
 
 TCMALLOC_CANDIDATES = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
                        "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc_minimal.so.4")
@@ -354,7 +354,7 @@ class VLLMBackend:
                 kwargs["tensor_parallel_size"] = int(tensor_parallel_size)
                 if sleep_mode:
                     kwargs["enable_sleep_mode"] = True
-            from tasks.console import engine_log_path, redirect_fds
+            from runtime.console import engine_log_path, redirect_fds
 
             with redirect_fds(engine_log_path()), _bound_flask_proxies(self.in_process):
                 # the engine processes inherit these fds: their output -> run log
@@ -767,7 +767,7 @@ def sleep_mode_for(cfg) -> bool:
         return bool(r.vllm_sleep)
     if is_cpu_build():
         return False
-    from tasks.backends.hardware import resolve_device
+    from runtime.backends.hardware import resolve_device
 
     try:
         return resolve_device(cfg.model.device).type == "cuda"
@@ -882,7 +882,7 @@ def _load_session_weights(engine: VLLMBackend, model_dir: str, learner) -> tuple
     """A kept engine gets the session's weights: the learner's in memory when there is one in this process,
     else the folder's safetensors (the same in-memory load path). Counted as weight sync in the wall-time ledger.
     Returns (seconds, where the weights came from)."""
-    from tasks.timing import timed
+    from runtime.timing import timed
 
     named = named_weights_fn(learner)
     t0 = time.time()

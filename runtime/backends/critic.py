@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import torch
 
 from core.losses import clipped_value_loss
-from tasks.backends.safe_load import load_plain
+from runtime.backends.safe_load import load_plain
 
 
 class ValueModel(torch.nn.Module):
@@ -54,7 +54,7 @@ class Critic:
         self.opt = torch.optim.AdamW(self.net.parameters(), lr=lr, weight_decay=0.0)
 
     def _autocast(self):
-        from tasks.backends.hardware import autocast
+        from runtime.backends.hardware import autocast
 
         return autocast(self.device, self.bf16)
 
@@ -121,7 +121,7 @@ class Critic:
             return False
         self.net.load_state_dict(load_plain(d / "model.pt", map_location="cpu"))
         if (d / "optimizer.pt").exists():
-            from tasks.backends.learner import optimizer_state_on
+            from runtime.backends.learner import optimizer_state_on
 
             by_name = dict(self.net.named_parameters())
             for n, st in load_plain(d / "optimizer.pt", map_location="cpu").items():

@@ -224,7 +224,7 @@ class TransformersBackend:
         return p.device if p is not None else torch.device("cpu")
 
     def _autocast(self):
-        from tasks.backends.hardware import autocast
+        from runtime.backends.hardware import autocast
 
         return autocast(self.device, self.bf16_autocast)
 

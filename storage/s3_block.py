@@ -1,12 +1,12 @@
 """S3 credentials from a Prefect block, as an alternative to the standard AWS variables.
 
-    from tasks.s3_block import S3Credentials
+    from storage.s3_block import S3Credentials
     S3Credentials(endpoint_url="https://minio:9000", region="us-east-1",
                   aws_access_key_id="...", aws_secret_access_key="...").save("checkpoints")
     # run config: --set checkpoint.s3_block=checkpoints  (or the field in the Prefect UI form)
 
 The flow loads the block at start and exports its values as the standard AWS variables of the flow's own
-process, so ``tasks.checkpoint_store`` (boto3's normal credential chain) picks them up. Only the block *name*
+process, so ``storage.checkpoint_store`` (boto3's normal credential chain) picks them up. Only the block *name*
 is part of the run config (and hence of MLflow params); the secrets stay in Prefect's block store.
 """
 

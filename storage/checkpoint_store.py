@@ -47,7 +47,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol
 
-from tasks.killpoint import kill_point
+from runtime.killpoint import kill_point
 
 __all__ = [
     "CheckpointCorrupted",
@@ -643,7 +643,7 @@ def _save_local(src: Path, uri: str, *, move: bool, overwrite: bool) -> str:
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 size, digest = _copy_and_hash(full, dst)
                 files.append({"path": rel, "size": size, "sha256": digest})
-        kill_point("checkpoint")  # test hook (tasks.killpoint): a no-op unless $SCALINGINTER_KILL_AT names it
+        kill_point("checkpoint")  # test hook (runtime.killpoint): a no-op unless $SCALINGINTER_KILL_AT names it
         # fsync directories so the entries survive a crash, then the manifest LAST.
         for d in sorted({(tmp / f["path"]).parent for f in files}, key=lambda p: -len(p.parts)):
             _fsync_dir(d)

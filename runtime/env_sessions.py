@@ -8,7 +8,7 @@ from typing import Any
 from envs.base import TextEnv, TurnLimit
 from envs.client import AsyncEnvClient
 from envs.errors import EnvError
-from tasks.rollout import EnvConfigError, EnvInfraError, EnvReply
+from runtime.rollout import EnvConfigError, EnvInfraError, EnvReply
 
 
 class HttpEpisode:

@@ -33,7 +33,7 @@ from fastapi import Request
 from core import trajview as V
 from core.metrics import DIAGNOSTICS
 
-STATIC = Path(__file__).with_name("viewer_static")
+STATIC = Path(__file__).with_name("static")
 STEP_FILE = re.compile(r"^step-(\d+)\.parquet$")
 LIST_COLUMNS = ("task_id", "group_id", "category", "reward", "turn_rewards", "success", "turns", "finish_reason",
                 "masked", "env_truncated")
@@ -330,7 +330,7 @@ class Store:
             raise FileNotFoundError(f"the model folder {ref} no longer exists")
         from transformers import AutoTokenizer
 
-        from tasks.backends.model import resolve_model
+        from runtime.backends.model import resolve_model
 
         tok = AutoTokenizer.from_pretrained(resolve_model(ref))
         with self._lock:
@@ -881,7 +881,7 @@ def render_eval_episode(store: Store, name: str, i: int) -> str:
 # --- the app ------------------------------------------------------------------------------------------------------
 def create_app(runs_dir: str | Path = "runs", tracking_uri: str | None = None, mlflow_ui: str | None = None,
                token: str | None = None):
-    """The viewer app; with ``token`` every request must bring it (``flows.view_auth``)."""
+    """The viewer app; with ``token`` every request must bring it (``flows.viewer.auth``)."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import HTMLResponse
@@ -893,7 +893,7 @@ def create_app(runs_dir: str | Path = "runs", tracking_uri: str | None = None, m
     app.state.store = store
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     if token:
-        from flows.view_auth import ViewerGuard
+        from flows.viewer.auth import ViewerGuard
 
         app.add_middleware(ViewerGuard, token=token)
 
@@ -975,7 +975,7 @@ def serve(runs_dir: str | Path = "runs", tracking_uri: str | None = None, host: 
     in the URL to open)."""
     import uvicorn
 
-    from flows.view_auth import login_url, resolve_token
+    from flows.viewer.auth import login_url, resolve_token
 
     token, generated = resolve_token(host, token, dict(os.environ))
     app = create_app(runs_dir, tracking_uri, mlflow_ui, token=token)
