@@ -20,12 +20,13 @@ import pyarrow.parquet as pq
 if len(sys.argv) != 3:
     sys.exit("usage: python bench/same_outputs.py OUT_BEFORE OUT_AFTER")
 a, b = Path(sys.argv[1]), Path(sys.argv[2])
-TIMING = ("time", "_s", "per_s", "tokens_per_s", "idle", "wall")
+TIMING = ("time", "_s", "idle", "wall")  # substrings of the keys that measure time, not outcomes
+NOT_COMPARED = ("mlflow_run_id", "mlflow_uri", "final_checkpoint", "run_name", "ref")  # ids and paths of the run
 
 
 def clean(d):
     if isinstance(d, dict):
-        return {k: clean(v) for k, v in d.items() if not any(t in k for t in TIMING) and k not in ("mlflow_run_id", "mlflow_uri", "final_checkpoint", "run_name", "ref")}
+        return {k: clean(v) for k, v in d.items() if not any(t in k for t in TIMING) and k not in NOT_COMPARED}
     if isinstance(d, list):
         return [clean(x) for x in d]
     return d
@@ -60,7 +61,8 @@ for pf in sorted(a.rglob("*.parquet")):
     if (pb := counterpart(pf)) is None:
         continue
     ta, tb = pq.read_table(pf), pq.read_table(pb)
-    check(str(pf.relative_to(a)) + f" ({ta.num_rows} episodes, {ta.num_columns} columns)", (ta.schema, ta.to_pylist()), (tb.schema, tb.to_pylist()))
+    check(str(pf.relative_to(a)) + f" ({ta.num_rows} episodes, {ta.num_columns} columns)",
+          (ta.schema, ta.to_pylist()), (tb.schema, tb.to_pylist()))
 for ja in sorted(a.glob("*/eval_*.json")) + sorted(a.glob("*/summary.json")):
     if (jb := counterpart(ja)) is None:
         continue
@@ -68,6 +70,6 @@ for ja in sorted(a.glob("*/eval_*.json")) + sorted(a.glob("*/summary.json")):
 for wa in sorted(a.rglob("model.safetensors")):
     if (wb := counterpart(wa)) is None:
         continue
-    check(str(wa.relative_to(a)), hashlib.sha256(wa.read_bytes()).hexdigest(), hashlib.sha256(wb.read_bytes()).hexdigest())
+    check(str(wa.relative_to(a)), *(hashlib.sha256(w.read_bytes()).hexdigest() for w in (wa, wb)))
 print("ALL SAME" if not bad else f"{bad} DIFFERENT")
 sys.exit(1 if bad else 0)

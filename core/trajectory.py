@@ -84,9 +84,11 @@ class Trajectory:
 
     def record_env_reply(self, observation: str, action: str | None, invalid: bool) -> None:
         """The env's reply to the last action: its observation, the action it parsed, whether it was invalid."""
-        self.observations = (self.observations or []) + [observation]
-        self.actions = (self.actions or []) + [action]
-        self.invalid_actions = (self.invalid_actions or []) + [bool(invalid)]
+        if self.observations is None:  # the first reply: the per-turn lists start here (None before: no turn)
+            self.observations, self.actions, self.invalid_actions = [], [], []
+        self.observations.append(observation)
+        self.actions.append(action)
+        self.invalid_actions.append(bool(invalid))
 
     def start_segment(self, prompt_ids: list[int]) -> None:
         """History window: the next turn's sample starts here with its own prompt (loss mask 0). The first

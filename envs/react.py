@@ -67,7 +67,7 @@ def extract_action(reply: str, normalize: Callable[[str], str] = default_normali
         if len(distinct) > 1:
             shown = ", ".join(repr(a) for a in distinct[:3])
             return ParseResult(None, f"one action per turn, but the reply has {len(distinct)} different Action lines "
-                                   f"({shown})")
+                                     f"({shown})")
         return ParseResult(distinct[0], None)
     if action_lines(reply):
         return ParseResult(None, "the Action line is empty")

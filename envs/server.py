@@ -56,7 +56,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from envs.base import TEST_OFFSET, TextEnv, env_names, make_env
-from envs.client import TOKEN_ENV
+from envs.client import TOKEN_ENV  # the shared token clients send as "Authorization: Bearer <token>"
 from envs.errors import TaskIndexError
 
 log = logging.getLogger("envs.server")
@@ -64,7 +64,6 @@ log = logging.getLogger("envs.server")
 _CLOSED_HISTORY = 100_000  # how many closed ids remember *why* they are gone (all closed ids stay unusable)
 MAX_ACTION_CHARS = 131_072  # a /step action longer than this is refused (422 action_too_long)
 MAX_BODY_BYTES = 1 << 20  # a request body larger than this is refused (413 body_too_large)
-# TOKEN_ENV (envs.client): the shared token clients send as "Authorization: Bearer <token>"
 
 
 class ApiError(Exception):

@@ -179,27 +179,6 @@ async def rollout(req: RolloutRequest, rt: RolloutRuntime) -> tuple[list[Traject
     return trajs, stats
 
 
-async def run_rollout(
-    specs: list[EpisodeSpec],
-    make_env: Callable[[int], EpisodeEnv],
-    backend: GenerationBackend,
-    chat: ChatFormat,
-    params: SamplingParams,
-    turn_limit: int,
-    token_budget: int,
-    on_round: Callable[[int, int, RolloutStats], None] | None = None,
-    seed: int | None = None,
-    max_live: int | None = None,
-    episode_ids: list[int] | None = None,
-    async_episodes: bool = True,
-) -> tuple[list[Trajectory], RolloutStats]:
-    """One pass, no retries (the positional form kept for tests and benches): ``rollout`` with ``retries=0``."""
-    return await _rollout_pass(RolloutRequest(specs, turn_limit, params, token_budget, seed),
-                               RolloutRuntime(backend, chat, make_env, max_live, on_round=on_round,
-                                              async_episodes=async_episodes),
-                               episode_ids=episode_ids)
-
-
 def uses_async_episodes(rt: RolloutRuntime) -> bool:
     """The per-episode pass runs when asked for and the backend has a request-level engine."""
     return bool(rt.async_episodes) and callable(getattr(rt.backend, "request_engine", None))
@@ -570,7 +549,7 @@ async def _all_or_cancel(coros: list[Awaitable[None]]) -> None:
         raise
 
 
-async def run_rollout_retrying(
+async def run_rollout(
     specs: list[EpisodeSpec],
     make_env: Callable[[int], EpisodeEnv],
     backend: GenerationBackend,
@@ -581,11 +560,12 @@ async def run_rollout_retrying(
     on_round: Callable[[int, int, RolloutStats], None] | None = None,
     seed: int | None = None,
     max_live: int | None = None,
+    async_episodes: bool = True,
     *,
     heal: Callable[[], Awaitable[int]] | None = None,
-    retries: int = 1,
+    retries: int = 0,
 ) -> tuple[list[Trajectory], RolloutStats]:
-    """``rollout`` in the positional form: ``run_rollout`` plus ``retries`` passes over the episodes an env failure
-    masked, after ``heal()``."""
+    """``rollout`` in the positional form kept for tests and benches: one pass, or with ``retries`` that many more
+    passes over the episodes an env failure masked, after ``heal()``."""
     return await rollout(RolloutRequest(specs, turn_limit, params, token_budget, seed),
-                         RolloutRuntime(backend, chat, make_env, max_live, retries, heal, on_round))
+                         RolloutRuntime(backend, chat, make_env, max_live, retries, heal, on_round, async_episodes))

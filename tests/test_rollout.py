@@ -278,7 +278,7 @@ def test_http_server_killed_mid_rollout_is_replaced_and_its_episodes_rerun(token
     from envs.client import AsyncEnvClient
     from envs.spawn import EnvServerProcess
     from runtime.env_sessions import HttpEpisode
-    from runtime.rollout import run_rollout_retrying
+    from runtime.rollout import run_rollout
 
     with EnvServerProcess("toy") as a, EnvServerProcess("toy") as b:
         port, pid = b.port, b.pid
@@ -301,10 +301,10 @@ def test_http_server_killed_mid_rollout_is_replaced_and_its_episodes_rerun(token
         async def go():
             clients = [AsyncEnvClient(s.url, timeout_s=5, retries=1) for s in (a, b)]
             try:
-                return await run_rollout_retrying(
+                return await run_rollout(
                     [EpisodeSpec(i, i) for i in range(6)], lambda i: HttpEpisode(clients[i % 2]),
                     Scripted(tokenizer, ["Action: open door 9", "Action: open door 1"]),
-                    ChatFormat.from_tokenizer(tokenizer), SamplingParams(16, 1.0), 3, 2048, on_round, heal=heal)
+                    ChatFormat.from_tokenizer(tokenizer), SamplingParams(16, 1.0), 3, 2048, on_round, heal=heal, retries=1)
             finally:
                 for c in clients:
                     await c.aclose()

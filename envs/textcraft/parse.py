@@ -87,7 +87,7 @@ def parse_action(reply: str, menu: list[str] | None = None) -> ParseResult:
         return canonical(found[0])
     if len(found) > 1:
         return ParseResult(None, f"one action per turn, but the reply names {len(found)} actions "
-                            f"({', '.join(repr(a) for a in found[:3])})")
+                               f"({', '.join(repr(a) for a in found[:3])})")
     return parsed
 
 
