@@ -205,7 +205,7 @@ def test_cuda_learner_matches_cpu_learner():
     from runtime.backends.learner import LearnerConfig, TorchLearner
     from runtime.backends.model import resolve_model
 
-    path = resolve_model("smollm2-135m")
+    path = os.environ.get("SCALINGINTER_TEST_MODEL") or resolve_model("smollm2-135m")
     kw = dict(lr=0.0, kl_coef=0.01, micro_batch_size=2, grad_clip=1e9, temperature=1.0)
     cpu = TorchLearner(path, LearnerConfig(bf16_autocast=False, device="cpu", **kw))
     s_cpu = cpu.update(*_batch())
