@@ -25,8 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from envs.babyai.env import BabyAIEnv, short_name  # noqa: E402
 from envs.base import task_index  # noqa: E402
-from runtime.env_sessions import LocalEpisode  # noqa: E402
-from runtime.rollout import EnvReply, EpisodeSpec, run_rollout  # noqa: E402
+from envs.sessions import LocalEpisode  # noqa: E402
+from envs.base import EnvReply  # noqa: E402
+from runtime.rollout import EpisodeSpec, run_rollout  # noqa: E402
 
 DEFAULT_LEVELS = "GoToObj,GoToRedBallGrey,GoToLocal,PickupLoc,OpenDoor"
 

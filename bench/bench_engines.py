@@ -14,7 +14,7 @@ rollout: generated tok/s and env steps/s for N concurrent BabyAI (and SciWorld) 
 update: GRPO-step tokens/s of the torch and DeepSpeed ZeRO-2 learners (fp32, bf16 autocast) next to a bare
   fp32/bf16 matmul roofline measured in the same run.
 env: per-step latency p50/p99, BabyAI in-process vs over the HTTP server.
-evalscale: the smoke preset's engine (``backend_for``: KV cache sized by the product's plan) and BabyAI server,
+evalscale: the smoke preset's engine (``EnginePool.backend_for``: KV cache sized by the product's plan) and BabyAI server,
   its 16-episode training rollout (T=1.0, seeded) and its 96-episode evaluation (greedy, and sampled at T=1.0 as
   K > 1 evaluations are), all at 4 turns over HTTP in the product's rollout mode, in one run: generated tok/s and
   episode-turns/s of each, and their ratios.
@@ -66,7 +66,7 @@ class _HttpEnvs:
     async def run(self, specs, be, chat, params, turns, max_live, async_episodes, seed=None,
                   budget=2048):
         from envs.client import AsyncEnvClient
-        from runtime.env_sessions import HttpEpisode
+        from envs.sessions import HttpEpisode
         from runtime.rollout import run_rollout
 
         client = AsyncEnvClient(self.server.url, timeout_s=120)
@@ -133,7 +133,7 @@ def bench_rollout(episodes: list[int], turns: int, new_tokens: int, backends: li
     from runtime.backends.generation import SamplingParams, TransformersBackend
     from runtime.backends.hardware import resolve_vllm_dtype
     from runtime.backends.model import resolve_model
-    from runtime.env_sessions import local_factory
+    from envs.sessions import local_factory
     from runtime.rollout import EpisodeSpec, run_rollout
 
     path = resolve_model("smollm2-135m")
@@ -231,7 +231,7 @@ def bench_evalscale(train_eps: int = 16, eval_eps: int = 96, turns: int = 4, rep
     from flows.config import build_config
     from runtime.backends.generation import SamplingParams
     from runtime.backends.model import resolve_model
-    from runtime.backends.vllm_backend import backend_for, shutdown_engines
+    from runtime.backends.vllm_backend import EnginePool
     from runtime.rollout import EpisodeSpec
 
     cfg = build_config("babyai", "smoke")
@@ -240,7 +240,8 @@ def bench_evalscale(train_eps: int = 16, eval_eps: int = 96, turns: int = 4, rep
     tok = AutoTokenizer.from_pretrained(path)
     chat = ChatFormat.from_tokenizer(tok)
     t0 = time.time()
-    be = backend_for(cfg, path, tok)
+    pool = EnginePool()  # the product's engine (a run's Runtime holds one of these)
+    be = pool.backend_for(cfg, path, tok)
     start_s = time.time() - t0
     http = _HttpEnvs("babyai", dict(cfg.env.options))
     rows = []
@@ -271,7 +272,7 @@ def bench_evalscale(train_eps: int = 16, eval_eps: int = 96, turns: int = 4, rep
                 print(row, flush=True)
     finally:
         http.close()
-        shutdown_engines()
+        pool.shutdown()
     for kind in ("evaluation", "evaluation T=1"):
         for key in ("tok_s", "episode_turns_s"):
             tr = statistics.median(x[key] for x in rows if x["kind"] == "training")

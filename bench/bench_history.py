@@ -3,7 +3,7 @@ a k-turn window, at 10 and 20 turns.
 
     python bench/bench_history.py [--turns 10,20] [--windows all,2] [--episodes 16] [--new-tokens 48] [--update]
 
-One vLLM engine (the product's ``backend_for``, KV cache sized by its plan for the largest budget) and one BabyAI
+One vLLM engine (the product's ``EnginePool.backend_for``, KV cache sized by its plan for the largest budget) and one BabyAI
 env server over HTTP (multi-step levels, so the base model's episodes run to the turn limit), the product's rollout
 (per-episode async, seeded per episode-turn, temperature 1.0). Per (turn limit, window):
 - rollout: generated tok/s, episode-turns/s, wall time, mean prompt tokens per generated turn;
@@ -47,7 +47,7 @@ def main() -> None:
     from flows.config import build_config
     from runtime.backends.generation import SamplingParams
     from runtime.backends.model import resolve_model
-    from runtime.backends.vllm_backend import backend_for, shutdown_engines
+    from runtime.backends.vllm_backend import EnginePool
     from runtime.rollout import EpisodeSpec, RolloutRequest, RolloutRuntime, rollout
     from bench.bench_engines import _HttpEnvs
 
@@ -59,7 +59,8 @@ def main() -> None:
     path = resolve_model(cfg.model.path)
     tok = AutoTokenizer.from_pretrained(path)
     chat = ChatFormat.from_tokenizer(tok)
-    be = backend_for(cfg, path, tok)
+    pool = EnginePool()  # the product's engine (a run's Runtime holds one of these)
+    be = pool.backend_for(cfg, path, tok)
     http = _HttpEnvs("babyai", dict(cfg.env.options))
     learner = None
     if a.update:
@@ -76,7 +77,7 @@ def main() -> None:
                 specs = [EpisodeSpec(task_id=5000 + i // 4, group_id=i // 4) for i in range(a.episodes)]
                 req = RolloutRequest(specs, T, SamplingParams(a.new_tokens, 1.0), a.budget, seed=7, history_turns=k)
                 from envs.client import AsyncEnvClient
-                from runtime.env_sessions import HttpEpisode
+                from envs.sessions import HttpEpisode
 
                 async def go():
                     client = AsyncEnvClient(http.server.url, timeout_s=120)
@@ -111,7 +112,7 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
     finally:
         http.close()
-        shutdown_engines()
+        pool.shutdown()
     cols = ["turn_limit", "window", "mean_turns", "rollout_s", "gen_tok_s", "episode_turns_s", "update_sequences",
             "update_tokens_per_episode_turn", "longest_sequence", "sq_len_per_episode_turn", "update_s"]
     print(" | ".join(cols))

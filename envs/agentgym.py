@@ -2,7 +2,7 @@
 
 ``AgentGymClient`` / ``AsyncAgentGymClient`` have the methods of ``EnvClient`` / ``AsyncEnvClient``
 (``health``, ``create``, ``reset``, ``step``, ``observation``, ``close``) and return the same
-``ResetResult`` / ``StepResult``, so the rollout drives an AgentGym server like one of ours. Select them
+``EnvReply`` / ``StepResult``, so the rollout drives an AgentGym server like one of ours. Select them
 with ``env.dialect=agentgym`` and ``env.url=http://host:port`` (``env.name`` names the AgentGym env:
 babyai, textcraft, sciworld, webarena, searchqa, webshop, alfworld, ...).
 
@@ -63,8 +63,8 @@ from typing import Any
 
 import httpx
 
-from envs.base import TEST_OFFSET, StepResult, split_of
-from envs.client import AsyncEnvClient, EnvClient, ResetResult, _Base
+from envs.base import TEST_OFFSET, EnvReply, StepResult, split_of
+from envs.client import AsyncEnvClient, EnvClient, _Base
 from envs.errors import EnvBadRequest, EnvServerError
 from envs.react import action_lines
 
@@ -448,7 +448,7 @@ class _AgentGymBase(_Base):
     def _ids(env_id: int) -> dict[str, int]:
         return {"id": env_id, "env_idx": env_id}
 
-    def _reset_done(self, env_id: int, server_idx: int, body: Any, obs: str) -> ResetResult:
+    def _reset_done(self, env_id: int, server_idx: int, body: Any, obs: str) -> EnvReply:
         state = self._state[env_id] = EpisodeState()
         info = {k: v for k, v in body.items() if k != "observation"} if isinstance(body, dict) else {}
         if self.dialect.score_scale is not None and "score" in info:  # the running score starts where reset puts it
@@ -458,7 +458,7 @@ class _AgentGymBase(_Base):
         info["success"] = False
         info["server_data_idx"] = server_idx
         info.setdefault("category", self.dialect.env)  # per-category eval scores: all an AgentGym reset tells
-        return ResetResult(obs, info, self.instruction)
+        return EnvReply(obs, info=info, instruction=self.instruction)
 
 
 class AgentGymClient(_AgentGymBase, EnvClient):
@@ -477,7 +477,7 @@ class AgentGymClient(_AgentGymBase, EnvClient):
         self._state[env_id] = EpisodeState()
         return env_id
 
-    def reset(self, env_id: int, data_idx: int) -> ResetResult:
+    def reset(self, env_id: int, data_idx: int) -> EnvReply:
         try:
             idx = server_index(data_idx, self.dialect, self.base_url + "/reset")
             if not self._goal_order_ok:
@@ -549,7 +549,7 @@ class AsyncAgentGymClient(_AgentGymBase, AsyncEnvClient):
         self._state[env_id] = EpisodeState()
         return env_id
 
-    async def reset(self, env_id: int, data_idx: int) -> ResetResult:
+    async def reset(self, env_id: int, data_idx: int) -> EnvReply:
         try:
             idx = server_index(data_idx, self.dialect, self.base_url + "/reset")
             if not self._goal_order_ok:

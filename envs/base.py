@@ -4,8 +4,9 @@ Environments speak Gymnasium in text: ``reset`` returns an observation and an in
 the model's reply (or a bare action) and returns observation, reward, terminated, truncated and info.
 Bad model output never raises: it becomes an explanatory observation for the agent.
 
-Environments never know the curriculum: the turn limit is enforced by the rollout (or the ``TurnLimit``
-wrapper below), which sets ``truncated``.
+Environments never know the curriculum: the turn limit is enforced by the rollout. The rollout drives an env
+through ``EpisodeEnv`` (below: the same contract, one episode, async; adapters in ``envs.sessions``), and every
+reply, sync or async, in-process or over HTTP, is an ``EnvReply``.
 """
 
 from __future__ import annotations
@@ -49,16 +50,22 @@ def quiet_stdout():
 
 
 @dataclass
-class StepResult:
+class EnvReply:
+    """An env's reply, to a reset or a step (the one reply type: in-process envs, the HTTP client, the rollout)."""
+
     observation: str
-    reward: float
-    terminated: bool  # the episode reached a terminal state (success or failure)
-    truncated: bool  # cut by a step/turn limit, not a terminal state
-    info: dict[str, Any] = field(default_factory=dict)  # must hold "success": bool
+    reward: float = 0.0
+    terminated: bool = False  # the episode reached a terminal state (success or failure)
+    truncated: bool = False  # cut by a step limit of the env's own, not a terminal state
+    info: dict[str, Any] = field(default_factory=dict)  # a step's must hold "success": bool
+    instruction: str = ""  # a reset's: the env's system-prompt text (sessions fill it in)
 
     @property
     def done(self) -> bool:
         return self.terminated or self.truncated
+
+
+StepResult = EnvReply  # the name env implementations construct their step replies with: the same type
 
 
 @runtime_checkable
@@ -91,40 +98,16 @@ class TextEnv(Protocol):
     def close(self) -> None: ...
 
 
-class TurnLimit:
-    """Wrapper that truncates an episode after ``max_turns`` steps (the curriculum's horizon)."""
+class EpisodeEnv(Protocol):
+    """The same contract as the rollout sees it: one episode of a ``TextEnv``, asynchronously, over HTTP or
+    in-process (``envs.sessions``: ``HttpEpisode``, ``PooledEpisode``, ``LocalEpisode``); every reply an
+    ``EnvReply`` (a reset's with the env's ``instruction``)."""
 
-    def __init__(self, env: TextEnv, max_turns: int):
-        if max_turns < 1:
-            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
-        self.env = env
-        self.max_turns = max_turns
-        self.turns = 0
-        self.name = env.name
+    async def reset(self, data_idx: int) -> EnvReply: ...
 
-    def instruction(self) -> str:
-        return self.env.instruction()
+    async def step(self, reply_text: str) -> EnvReply: ...
 
-    def reset(self, data_idx: int):
-        self.turns = 0
-        return self.env.reset(data_idx)
-
-    def step(self, action: str) -> StepResult:
-        res = self.env.step(action)
-        self.turns += 1
-        if not res.terminated and self.turns >= self.max_turns:
-            res.truncated = True
-            res.info["turn_limit"] = True
-        return res
-
-    def observation(self) -> str:
-        return self.env.observation()
-
-    def num_tasks(self, split: str) -> int:
-        return self.env.num_tasks(split)
-
-    def close(self) -> None:
-        self.env.close()
+    async def close(self) -> None: ...
 
 
 # --- registry (one of the two plug-in points) -------------------------------------------------------

@@ -19,12 +19,11 @@ import asyncio
 import os
 import random
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from envs.base import StepResult
+from envs.base import EnvReply, StepResult
 from envs.errors import (
     EnvBadRequest,
     EnvError,
@@ -56,13 +55,6 @@ def capacity_from_health(health: Any) -> int | None:
     caps = [health.get(k) for k in ("capacity", "max_envs")]
     caps = [int(c) for c in caps if isinstance(c, (int, float)) and not isinstance(c, bool) and c >= 1]
     return min(caps) if caps else None
-
-
-@dataclass
-class ResetResult:
-    observation: str
-    info: dict[str, Any] = field(default_factory=dict)
-    instruction: str = ""
 
 
 class _Base:
@@ -161,8 +153,8 @@ class _Base:
         )
 
     @staticmethod
-    def _reset_result(d: dict[str, Any]) -> ResetResult:
-        return ResetResult(observation=d["observation"], info=d.get("info") or {}, instruction=d.get("instruction", ""))
+    def _reset_result(d: dict[str, Any]) -> EnvReply:
+        return EnvReply(observation=d["observation"], info=d.get("info") or {}, instruction=d.get("instruction", ""))
 
 
 class EnvClient(_Base):
@@ -201,7 +193,7 @@ class EnvClient(_Base):
     def create(self) -> int:
         return int(self._request("POST", "/create", idempotent=False, json={})["id"])
 
-    def reset(self, env_id: int, data_idx: int) -> ResetResult:
+    def reset(self, env_id: int, data_idx: int) -> EnvReply:
         d = self._request("POST", "/reset", idempotent=True, json={"id": env_id, "data_idx": data_idx})
         return self._reset_result(d)
 
@@ -278,7 +270,7 @@ class AsyncEnvClient(_Base):
     async def create(self) -> int:
         return int((await self._request("POST", "/create", idempotent=False, json={}))["id"])
 
-    async def reset(self, env_id: int, data_idx: int) -> ResetResult:
+    async def reset(self, env_id: int, data_idx: int) -> EnvReply:
         d = await self._request("POST", "/reset", idempotent=True, json={"id": env_id, "data_idx": data_idx})
         return self._reset_result(d)
 
@@ -347,4 +339,4 @@ class RemoteEnv:
                 pass  # the server reaps what it cannot be told to close
 
 
-__all__ = ["AsyncEnvClient", "EnvClient", "RemoteEnv", "ResetResult", "capacity_from_health"]
+__all__ = ["AsyncEnvClient", "EnvClient", "RemoteEnv", "capacity_from_health"]

@@ -69,3 +69,12 @@ class TaskIndexError(EnvBadRequest, ValueError):
     def __init__(self, message: str, **kw):
         kw.setdefault("code", "bad_data_idx")
         super().__init__(message, **kw)
+
+
+class EnvInfraError(RuntimeError):
+    """The environment failed (server down, 5xx, timeout): the episode is masked, not scored."""
+
+
+class EnvConfigError(ValueError):
+    """The env refused what the run asked of it (e.g. a task index outside its split): a configuration error,
+    raised at once rather than masked, since every episode would fail the same way."""

@@ -3,7 +3,6 @@ serve an environment."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path

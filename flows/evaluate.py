@@ -127,7 +127,7 @@ def _same_tokenizer(dir_a: str, dir_b: str) -> tuple[bool, str]:
 def evaluate_models(config: RunConfig, model_dirs: dict[str, str], task_ids: list[int], turn_limits: list[int],
                     samples: int, temperature: float, max_new_tokens: int, seed: int,
                     episodes_path: str | None = None) -> dict[str, Any]:
-    """Score each model (one engine for all inside ``keep_engines``) on every task x budget x sample in one rollout
+    """Score each model (one engine for all: the open Runtime's) on every task x budget x sample in one rollout
     call (the first model's episodes also written to ``episodes_path`` as a rollout Parquet when given)."""
     from tasks import steps as T
 
@@ -175,9 +175,9 @@ def evaluate(cfg: RunConfig, checkpoint_ref: str, split: str = "test", n: int = 
     greedy = samples == 1 and temperature == 0
     header = _header(cfg, split, ids, samples, greedy, temperature, turn_limits, max_new, source)
     print(header)
-    from runtime.backends.vllm_backend import keep_engines
+    from runtime.context import Runtime
 
-    with keep_engines():  # one engine for both models; an enclosing run's scope keeps it up after this
+    with Runtime.scope():  # one engine for both models; an enclosing run's Runtime keeps it up after this
         sweeps = evaluate_models(cfg, model_dirs, ids, turn_limits, samples, float(temperature), max_new, seed,
                                  str(episodes_path) if episodes_path else None)
 

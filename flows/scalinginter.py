@@ -29,8 +29,8 @@ from core.evalreport import BUCKETS, bucket_rates, compare_models, flat_metrics,
 from core.redact import redact_uri
 from core.walltime import format_breakdown
 from flows.config import build_config
-from runtime import timing
 from runtime.console import quiet_console, restore_console
+from runtime.context import Runtime
 from runtime.killpoint import kill_point
 from storage.checkpoint_store import checkpoint_exists
 from storage.tracking import Tracker
@@ -54,6 +54,11 @@ from tasks.runs import local_model_dir, make_tracker, recorded_config, resolve_r
 @flow(name="phase", flow_run_name="phase-{phase}", log_prints=True)
 def phase_flow(config: RunConfig, phase: int, init_ref: str, parent_run_id: str | None = None) -> str:
     """Train one phase (``phase`` is 1-based). Returns the URI of the phase's final checkpoint."""
+    with Runtime.scope():  # the parent run's (its engine kept), or its own when the phase runs alone
+        return _phase(config, phase, init_ref, parent_run_id)
+
+
+def _phase(config: RunConfig, phase: int, init_ref: str, parent_run_id: str | None) -> str:
     cfg, plan = config, PhasePlan.of(config, phase)
     if checkpoint_exists(plan.final_uri):
         return finished_phase(cfg, plan, parent_run_id)
@@ -225,10 +230,17 @@ def scalinginter(config: RunConfig | None = None, env: str = "babyai", preset: s
         from storage.s3_block import apply_s3_block
 
         print(f"S3 settings from Prefect block {cfg.checkpoint.s3_block!r}: {', '.join(apply_s3_block(cfg.checkpoint.s3_block))}")
+    outer = Runtime.current_or_none()  # a run inside an open Runtime shares its engine; else it owns its own
+    with Runtime.scope() as rt:
+        return _run(cfg, rt, owns=rt is not outer)
+
+
+def _run(cfg: RunConfig, rt: Runtime, owns: bool) -> dict[str, Any]:
+    """The run's body, inside its Runtime (closed at the end when ``owns``, while the console is still quiet)."""
     phases = cfg.curriculum.as_phases()
     rd = run_dir(cfg)
     t_run = time.time()
-    ledger = timing.reset()
+    ledger = rt.new_ledger()
     check_run_resume(cfg)  # a reused run name with another training config stops here, before anything is written
     log_path = quiet_console(rd)  # engine / library chatter -> the run's engine.log
     write_run_config(rd, cfg)  # no URI secrets
@@ -241,10 +253,7 @@ def scalinginter(config: RunConfig | None = None, env: str = "babyai", preset: s
         print(f"engine, transformers, DeepSpeed, MLflow and Prefect logs: {log_path} (SCALINGINTER_VERBOSE=1 shows "
               "them here)")
     status = "FAILED"
-    from runtime.backends.vllm_backend import keep_engines
-
-    engines = keep_engines().open()  # one vLLM engine for the run: phases and evaluations reuse it
-    try:
+    try:  # one vLLM engine for the run (the Runtime's): phases and evaluations reuse it
         before = before_doc = after_doc = None
         if cfg.eval.before:
             print(f"evaluating the initial model on {cfg.eval.n} held-out tasks (greedy, "
@@ -291,7 +300,8 @@ def scalinginter(config: RunConfig | None = None, env: str = "babyai", preset: s
         return summary
     finally:
         try:
-            engines.close()  # the run's engine is shut down here
+            if owns:
+                rt.close()  # the run's engine is shut down here, its chatter still in the run's log
         finally:
             tracker.end_run(parent, status)
             restore_console()

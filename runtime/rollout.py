@@ -5,8 +5,8 @@ request-level engine such as vLLM's): every episode runs as its own loop and its
 its observation returns; the engine's continuous batching runs whatever is in flight. Token ids are kept exactly
 as sampled.
 
-The loop sees two small protocols: a ``GenerationBackend`` and ``EpisodeEnv`` sessions (HTTP or
-in-process), so a vLLM backend or another transport slots in without touching it.
+The loop sees two small protocols: a ``GenerationBackend`` and ``envs.base.EpisodeEnv`` sessions (HTTP or
+in-process, ``envs.sessions``), so a vLLM backend or another transport slots in without touching it.
 """
 
 from __future__ import annotations
@@ -14,42 +14,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass, field, replace
-from typing import Any, Awaitable, Callable, Iterator, Protocol
+from dataclasses import dataclass, replace
+from typing import Awaitable, Callable, Iterator
 
 from core.busyclock import BusyClock
 from core.chat import ChatFormat
 from core.seeds import episode_seed
 from core.trajectory import Trajectory
-from envs.errors import TaskIndexError
+from envs.base import EnvReply, EpisodeEnv
+from envs.errors import EnvConfigError, TaskIndexError
 from runtime.backends.generation import Generation, GenerationBackend, RequestDriver, SamplingParams
-
-
-@dataclass
-class EnvReply:
-    observation: str
-    reward: float = 0.0
-    terminated: bool = False
-    truncated: bool = False
-    info: dict[str, Any] = field(default_factory=dict)
-    instruction: str = ""
-
-
-class EpisodeEnv(Protocol):
-    async def reset(self, data_idx: int) -> EnvReply: ...
-
-    async def step(self, reply_text: str) -> EnvReply: ...
-
-    async def close(self) -> None: ...
-
-
-class EnvInfraError(RuntimeError):
-    """The environment failed (server down, 5xx, timeout): the episode is masked, not scored."""
-
-
-class EnvConfigError(ValueError):
-    """The env refused what the run asked of it (e.g. a task index outside its split): a configuration error,
-    raised at once rather than masked, since every episode would fail the same way."""
 
 
 @dataclass

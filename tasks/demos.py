@@ -27,7 +27,8 @@ from core.demos import action_reply
 from core.redact import redact
 from core.trajectory import Trajectory
 from runtime.backends.generation import Generation, SamplingParams
-from runtime.rollout import EnvReply, EpisodeEnv, EpisodeSpec, RolloutRequest, RolloutRuntime, episode_seed, rollout
+from envs.base import EnvReply, EpisodeEnv
+from runtime.rollout import EpisodeSpec, RolloutRequest, RolloutRuntime, episode_seed, rollout
 
 Expert = Callable[[str, dict], "str | None"]
 
@@ -176,13 +177,22 @@ def warmstart(cfg: Any, demos: int, epochs: int, lr: float, out: str | Path, bat
     """``scalinginter warmstart``: ``demos`` expert episodes of train tasks (in-process env with the config's env
     options; turn limit: the curriculum's largest unless given), ``epochs`` of behaviour cloning on the
     successful ones from ``cfg.model.path``, saved as an HF folder (model + tokenizer, ``warmstart.json``, and a
-    ``trainer_state.json`` whose config gives ``scalinginter eval`` the env options). Returns the record."""
+    ``trainer_state.json`` whose config gives ``scalinginter eval`` the env options). Returns the record. Runs
+    inside a ``Runtime`` (the open one, or its own)."""
+    from runtime.context import Runtime
+
+    with Runtime.scope():
+        return _warmstart(cfg, demos, epochs, lr, out, batch_size, turn_limit, echo)
+
+
+def _warmstart(cfg: Any, demos: int, epochs: int, lr: float, out: str | Path, batch_size: int,
+               turn_limit: int | None, echo: Callable[[str], None]) -> dict[str, Any]:
     from core.chat import ChatFormat
     from envs.base import make_env
     from runtime.backends.hardware import resolve_bf16
     from runtime.backends.learner import LearnerConfig, TorchLearner
     from runtime.backends.model import resolve_model
-    from runtime.env_sessions import local_factory
+    from envs.sessions import local_factory
 
     if isinstance(demos, bool) or int(demos) != demos or demos < 1:
         raise DemoError(f"--demos must be a whole number >= 1, got {demos!r}")

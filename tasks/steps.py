@@ -1,7 +1,7 @@
 """Prefect tasks of a phase: thin adapters that do I/O and call one pure function or one backend method.
 
 Only live handles (the learner's models, the generation engine, env server processes) stay behind, in a
-``Session`` of this process's small registry; tasks receive its key. Everything else goes in and out as values:
+``Session`` of the open ``Runtime`` (``runtime.context``); tasks receive its key. Everything else goes in and out as values:
 ``rollout_batch`` returns the step's ``Batch``, ``compute_advantages(key, batch)`` returns its ``Advantages``
 (with the learner's prepared log-probs), ``policy_update(key, batch, adv)`` takes both (in-process Prefect
 results with persistence off carry Python objects). Step checkpoints are written to local disk or S3 via
@@ -17,8 +17,7 @@ import random
 import shutil
 import tempfile
 import time
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -33,23 +32,11 @@ from core.metrics import episode_metrics
 from core.seeds import step_seed
 from core.trajectory import Trajectory, join_rows, split_rows, turn_samples
 from envs.base import task_index
+from runtime.context import Runtime, Session
 from runtime.killpoint import kill_point
 from runtime.timing import timed
 
 TASK_OPTS = dict(cache_policy=NO_CACHE, persist_result=False)
-
-
-@dataclass
-class Session:
-    """Live handles only: no step's data is kept here."""
-
-    cfg: RunConfig
-    learner: Any = None  # TorchLearner (training) or None (eval only)
-    model: Any = None
-    tokenizer: Any = None
-    backend: Any = None
-    chat: ChatFormat | None = None
-    servers: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -73,13 +60,9 @@ class Advantages:
 
 PROGRESS_LINE_EVERY_S = 15.0  # rollout progress: the first turn's line, later turns' at most this often (none once all ended)
 
-_SESSIONS: dict[str, Session] = {}
-
-
 def get_session(key: str) -> Session:
-    if key not in _SESSIONS:
-        raise KeyError(f"no live session {key!r} in this process")
-    return _SESSIONS[key]
+    """The open Runtime's session ``key`` (``runtime.context``: where Prefect tasks find their live handles)."""
+    return Runtime.current().session(key)
 
 
 def _threads(cfg: RunConfig) -> None:
@@ -129,28 +112,20 @@ def _replace_dead_servers(s: Session) -> int:
 
 @timed("setup")
 def open_session(cfg: RunConfig, model_dir: str, train: bool, reference_dir: str | None = None) -> str:
-    """Load models into a new in-process session. ``model_dir`` is a local HF folder."""
+    """Load models into a new session of the open Runtime. ``model_dir`` is a local HF folder."""
     import torch
 
     from runtime.backends.generation import TransformersBackend
     from runtime.backends.hardware import resolve_bf16
     from runtime.backends.learner import LearnerConfig, TorchLearner, load_causal_lm
 
+    rt = Runtime.current()  # before anything loads: no Runtime open is a caller's mistake
     _threads(cfg)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     s = Session(cfg=cfg)
     if train:
-        a = cfg.algo
-        lc = LearnerConfig(lr=a.lr, weight_decay=a.weight_decay, kl_coef=a.kl_coef, clip=a.clip,
-                           grad_clip=a.grad_clip, micro_batch_size=a.micro_batch_size,
-                           micro_batch_tokens=a.micro_batch_tokens, mini_batches=a.mini_batches,
-                           ppo_epochs=a.ppo_epochs, bf16_autocast=resolve_bf16(cfg.model.bf16_autocast),
-                           temperature=cfg.rollout.temperature, loss_agg=a.loss_agg,
-                           kl_in_loss=not get_estimator(a.estimator).kl_in_reward,
-                           critic=get_estimator(a.estimator).needs_critic,
-                           critic_path=local_critic_path(a.critic.model), critic_lr=a.critic.lr or 1e-5,
-                           value_clip=a.critic.value_clip, share_prefix=a.share_prefix, device=cfg.model.device)
+        lc = LearnerConfig.from_run(cfg, critic_path=local_critic_path(cfg.algo.critic.model))
         if cfg.learner.engine == "deepspeed":
             from runtime.backends.deepspeed_learner import make_learner
 
@@ -170,40 +145,19 @@ def open_session(cfg: RunConfig, model_dir: str, train: bool, reference_dir: str
     pad = s.tokenizer.pad_token_id if s.tokenizer.pad_token_id is not None else s.tokenizer.eos_token_id
     s.chat = ChatFormat.from_tokenizer(s.tokenizer, cfg.env.prompt)
     if cfg.rollout.backend == "vllm":  # the process's kept engine (this session's weights loaded) or a new one
-        from runtime.backends.vllm_backend import backend_for
-
-        s.backend = backend_for(cfg, model_dir, s.tokenizer, s.learner)
+        s.backend = rt.engines.backend_for(cfg, model_dir, s.tokenizer, s.learner)
     else:
         s.backend = TransformersBackend(s.model, s.tokenizer.eos_token_id, pad, cfg.rollout.gen_batch_size,
                                         resolve_bf16(cfg.model.bf16_autocast))
-    key = uuid.uuid4().hex
-    _SESSIONS[key] = s
-    return key
+    return rt.add_session(s)
 
 
 def close_session(key: str) -> None:
-    s = _SESSIONS.pop(key, None)
-    if s is None:
-        return
-    for proc in s.servers:
-        try:
-            proc.stop()
-        except Exception:  # noqa: BLE001
-            pass
-    if s.backend is not None and s.cfg.rollout.backend == "vllm":  # kept for the next session in a keep_engines scope
-        from runtime.backends.vllm_backend import release_backend
-
-        try:
-            release_backend(s.backend)
-        except Exception:  # noqa: BLE001
-            pass
-    for obj in (s.learner,) if s.cfg.rollout.backend == "vllm" else (s.backend, s.learner):  # DeepSpeed ranks
-        close = getattr(obj, "close", None)
-        if close is not None:
-            try:
-                close()
-            except Exception:  # noqa: BLE001
-                pass
+    """Close the session's env servers, engine hold and learner (``Runtime.close_session``: each part closed even
+    when another fails, failures reported)."""
+    rt = Runtime.current_or_none()
+    if rt is not None:
+        rt.close_session(key)
 
 
 # --- data position: tasks are a pure function of (seed, global step) ---------------------------------
@@ -242,7 +196,7 @@ def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, tur
              after_turn: Callable[[int], None] | None = None) -> tuple[list[Trajectory], dict[str, float]]:
     from envs.agentgym import make_async_client
     from runtime.backends.generation import SamplingParams
-    from runtime.env_sessions import PooledEpisode, ServerSlots
+    from envs.sessions import PooledEpisode, ServerSlots
     from runtime.rollout import RolloutRequest, RolloutRuntime, rollout
 
     params = SamplingParams(max_new_tokens, temperature, s.cfg.rollout.top_p)
@@ -408,13 +362,15 @@ def evaluate_ids(key: str, urls: list[str], task_ids: list[int], turn_limit: int
 
 def score_model(cfg: RunConfig, model_dir: str, task_ids: list[int], turn_limit: int,
                 max_new_tokens: int, episodes_path: str | None = None) -> dict[str, float]:
-    """Load a model (no learner), spawn env servers, score ``task_ids`` greedily, tear everything down."""
-    key = open_session(cfg, model_dir, train=False)
-    try:
-        urls = spawn_env_servers(key)
-        return evaluate_ids(key, urls, task_ids, turn_limit, max_new_tokens, episodes_path)
-    finally:
-        close_session(key)
+    """Load a model (no learner), spawn env servers, score ``task_ids`` greedily, tear everything down (in the open
+    Runtime, whose engine stays up, or in its own)."""
+    with Runtime.scope():
+        key = open_session(cfg, model_dir, train=False)
+        try:
+            urls = spawn_env_servers(key)
+            return evaluate_ids(key, urls, task_ids, turn_limit, max_new_tokens, episodes_path)
+        finally:
+            close_session(key)
 
 
 MAX_EVAL_SAMPLES = 4096  # an episode's seed key is task_id * MAX_EVAL_SAMPLES + sample
@@ -455,14 +411,16 @@ def evaluate_sweep(key: str, urls: list[str], task_ids: list[int], turn_limits: 
 
 def score_sweep(cfg: RunConfig, model_dir: str, task_ids: list[int], turn_limits: list[int], samples: int,
                 temperature: float, max_new_tokens: int, seed: int, episodes_path: str | None = None) -> dict[str, Any]:
-    """Load a model (no learner) and one engine, spawn env servers, ``evaluate_sweep``, tear everything down."""
-    key = open_session(cfg, model_dir, train=False)
-    try:
-        urls = spawn_env_servers(key)
-        return evaluate_sweep(key, urls, task_ids, turn_limits, samples, temperature, max_new_tokens, seed,
-                              episodes_path)
-    finally:
-        close_session(key)
+    """Load a model (no learner) and one engine, spawn env servers, ``evaluate_sweep``, tear everything down (in
+    the open Runtime, whose engine stays up, or in its own)."""
+    with Runtime.scope():
+        key = open_session(cfg, model_dir, train=False)
+        try:
+            urls = spawn_env_servers(key)
+            return evaluate_sweep(key, urls, task_ids, turn_limits, samples, temperature, max_new_tokens, seed,
+                                  episodes_path)
+        finally:
+            close_session(key)
 
 
 # --- checkpoints ---------------------------------------------------------------------------------------

@@ -29,8 +29,8 @@ from envs.agentgym import (
 )
 from envs.client import AsyncEnvClient
 from envs.errors import EnvServerError
-from runtime.env_sessions import HttpEpisode
-from runtime.rollout import EnvInfraError
+from envs.sessions import HttpEpisode
+from envs.errors import EnvInfraError
 
 
 def stand_in(flavour: str) -> FastAPI:
@@ -220,7 +220,7 @@ def test_error_payloads_are_infrastructure_failures_and_the_env_is_dropped():
 
 
 def test_rollout_sessions_mask_agentgym_errors():
-    """Through runtime.env_sessions.HttpEpisode (what the rollout uses): errors become EnvInfraError (masked)."""
+    """Through envs.sessions.HttpEpisode (what the rollout uses): errors become EnvInfraError (masked)."""
     app = stand_in("textcraft")
 
     async def go():
@@ -249,7 +249,7 @@ def test_rollout_sessions_mask_agentgym_errors():
 from envs.agentgym import SPLITS, split_map_for  # noqa: E402
 from envs.base import task_index  # noqa: E402
 from envs.errors import EnvBadRequest  # noqa: E402
-from runtime.rollout import EnvConfigError  # noqa: E402
+from envs.errors import EnvConfigError  # noqa: E402
 from tests.agentgym_replay import (  # noqa: E402
     babyai_app,
     load_exchanges,

@@ -23,9 +23,10 @@ from core.busyclock import BusyClock
 from core.chat import ChatFormat
 from envs.toy import ToyEnv
 from runtime.backends.generation import Generation, RequestDriver, SamplingParams
-from runtime.env_sessions import LocalEpisode
-from runtime.rollout import (EnvConfigError, EpisodeSpec, RolloutRequest, RolloutRuntime, episode_seed, rollout,
-                           run_rollout, uses_async_episodes)
+from envs.sessions import LocalEpisode
+from envs.errors import EnvConfigError
+from runtime.rollout import (EpisodeSpec, RolloutRequest, RolloutRuntime, episode_seed, rollout, run_rollout,
+                             uses_async_episodes)
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -446,7 +447,7 @@ def engine():
 
 
 def _babyai(be, tok, async_episodes, seed=11, n=8):
-    from runtime.env_sessions import local_factory
+    from envs.sessions import local_factory
 
     specs = [EpisodeSpec(t, t) for t in range(n)]
     req = RolloutRequest(specs, 3, SamplingParams(24, 1.0), 1000, seed)

@@ -4,7 +4,7 @@ import pytest
 
 from envs.babyai import planner
 from envs.babyai.env import DEFAULT_LEVELS, MAX_DATA_IDX, BabyAIEnv, parse_levels, task_of
-from envs.base import TEST_OFFSET, TextEnv, TurnLimit, make_env, task_index
+from envs.base import TEST_OFFSET, TextEnv, make_env, task_index
 
 
 def _wanted(mission: str, verb: str) -> re.Pattern:
@@ -184,14 +184,6 @@ def test_truncation_is_not_termination():
             break
     else:
         pytest.fail("no long macro found")
-
-
-def test_turn_limit_wrapper_truncates():
-    env = TurnLimit(BabyAIEnv("OpenDoor"), max_turns=2)
-    env.reset(0)
-    assert not env.step("turn left").done
-    res = env.step("turn left")
-    assert res.truncated and not res.terminated and res.info["turn_limit"]
 
 
 def test_names_stable_within_episode():

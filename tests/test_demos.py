@@ -24,7 +24,7 @@ from core.losses import nll_loss
 from envs.toy import ToyEnv
 from runtime.backends.generation import Generation, SamplingParams
 from tasks.demos import DemoError, collect_demos, expert_for
-from runtime.env_sessions import LocalEpisode
+from envs.sessions import LocalEpisode
 from runtime.rollout import EpisodeSpec, RolloutRequest, RolloutRuntime, rollout
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -96,40 +96,41 @@ def _greedy(engine, prompts) -> list[list[int]]:
 def test_kept_engine_with_loaded_weights_generates_like_a_fresh_engine(folders, tmp_path):
     from transformers import AutoTokenizer
 
-    from runtime.backends import vllm_backend as V
     from runtime.backends.learner import LearnerConfig, TorchLearner
 
     base, pert = folders
     cfg, tok = _cfg(tmp_path), AutoTokenizer.from_pretrained(base)
     prompts = _prompts(tok)
-    V.shutdown_engines()
-    starts = V.HOLDER.starts
-    with V.keep_engines():
-        engine = V.backend_for(cfg, base, tok)
-        ids_base = _greedy(engine, prompts)
-        V.release_backend(engine)
-        assert engine._llm is not None, "a released engine stays up inside keep_engines"
+    from runtime.context import Runtime
 
-        assert V.backend_for(cfg, pert, tok) is engine  # from the folder's safetensors
+    with Runtime() as rt:
+        pool = rt.engines
+        engine = pool.backend_for(cfg, base, tok)
+        ids_base = _greedy(engine, prompts)
+        pool.release(engine)
+        assert engine._llm is not None, "a released engine stays up while its Runtime is open"
+
+        assert pool.backend_for(cfg, pert, tok) is engine  # from the folder's safetensors
         ids_folder = _greedy(engine, prompts)
-        V.release_backend(engine)
+        pool.release(engine)
 
         learner = TorchLearner(pert, LearnerConfig(lr=1e-5, kl_coef=0.0, micro_batch_size=2))
-        assert V.backend_for(cfg, base, tok, learner) is engine  # the learner's weights, in memory
+        assert pool.backend_for(cfg, base, tok, learner) is engine  # the learner's weights, in memory
         ids_learner = _greedy(engine, prompts)
-        V.release_backend(engine)
+        pool.release(engine)
         del learner
 
-        assert V.backend_for(cfg, base, tok) is engine  # and back
+        assert pool.backend_for(cfg, base, tok) is engine  # and back
         ids_back = _greedy(engine, prompts)
-        V.release_backend(engine)
-        assert V.HOLDER.starts - starts == 1
-    assert engine._llm is None and not V.engine_stats()["live"], "the outermost scope shuts the engine down"
+        pool.release(engine)
+        assert pool.starts == 1
+    assert engine._llm is None and not pool.stats()["live"], "closing the Runtime shuts the engine down"
 
-    fresh = V.backend_for(cfg, pert, tok)  # no scope: a new engine, shut down when released
-    assert fresh is not engine and V.HOLDER.starts - starts == 2
-    ids_fresh = _greedy(fresh, prompts)
-    V.release_backend(fresh)
+    with Runtime() as rt:  # another Runtime: a new engine, shut down when it closes
+        fresh = rt.engines.backend_for(cfg, pert, tok)
+        assert fresh is not engine and rt.engines.starts == 1
+        ids_fresh = _greedy(fresh, prompts)
+        rt.engines.release(fresh)
     assert fresh._llm is None
     assert ids_folder != ids_base, "the perturbation must change the greedy replies (else nothing is tested)"
     assert ids_folder == ids_fresh
@@ -142,16 +143,13 @@ def test_kept_engine_with_loaded_weights_generates_like_a_fresh_engine(folders, 
 def test_two_sessions_and_an_evaluation_start_one_engine(folders, tmp_path):
     from flows.evaluate import evaluate
     from tasks import steps as T
-    from runtime import timing
-    from runtime.backends import vllm_backend as V
+    from runtime.context import Runtime
 
     base, pert = folders
     cfg = _cfg(tmp_path)
-    V.shutdown_engines()
-    starts, reuses = V.HOLDER.starts, V.HOLDER.reuses
-    ledger = timing.reset()
     ckpt = tmp_path / "phase-1-final"
-    with V.keep_engines():
+    with Runtime() as rt:
+        ledger, pool = rt.ledger, rt.engines
         key = T.open_session(cfg, base, train=True)  # a phase: learner + engine
         engine = T.get_session(key).backend
         T.get_session(key).learner.save(ckpt, {"global_step": 1})  # a real checkpoint folder, as a phase writes
@@ -161,9 +159,9 @@ def test_two_sessions_and_an_evaluation_start_one_engine(folders, tmp_path):
         T.close_session(key)
         doc = evaluate(cfg, str(ckpt), n=2, turn_limits=[1], max_new_tokens=8)  # an evaluation inside the run
         assert doc["models"]["model"]["budgets"]["1"]["overall"]["episodes"] == 2
-        assert V.engine_stats()["live"], "the evaluation keeps the run's engine"
-    assert (V.HOLDER.starts - starts, V.HOLDER.reuses - reuses) == (1, 2)
-    assert not V.engine_stats()["live"] and engine._llm is None
+        assert pool.stats()["live"], "the evaluation keeps the run's engine"
+    assert (pool.starts, pool.reuses) == (1, 2)
+    assert not pool.stats()["live"] and engine._llm is None
     totals = ledger.totals
     print(f"\nengine start {engine.start_time_s:.1f} s; ledger setup {totals.get('setup', 0):.1f} s, "
           f"weight_sync {totals.get('weight_sync', 0):.1f} s, evaluation {totals.get('evaluation', 0):.1f} s")

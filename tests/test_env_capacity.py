@@ -107,13 +107,14 @@ def test_eval_of_three_times_the_pool_never_waits_for_a_context(capsys):
     from envs.base import task_index
     from envs.spawn import EnvServerProcess
     from runtime.backends.model import resolve_model
+    from runtime.context import Runtime
     from tasks.steps import _rollout, close_session, get_session, open_session
 
     # generous page timeouts: a loaded 2-core machine may be slow to render, which is not what this test is about
     opts = {"tasks": "click-button,click-test", "max_contexts": POOL, "acquire_timeout_s": 20, "action_timeout_s": 30}
     cfg = build_config("miniwob", None, ["rollout.backend=transformers", f"env.options={json.dumps(opts)}"])
     assert cfg.rollout.max_live_episodes is None  # no preset: the cap must come from the server
-    with EnvServerProcess("miniwob", env_options=opts, startup_timeout_s=300) as srv:
+    with EnvServerProcess("miniwob", env_options=opts, startup_timeout_s=300) as srv, Runtime():
         with EnvClient(srv.url) as c:
             assert c.health()["capacity"] == POOL
             warm = c.create()  # launch Chromium before the clock starts

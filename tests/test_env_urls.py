@@ -35,19 +35,18 @@ def test_episodes_spread_over_two_real_servers():
     from envs.spawn import EnvServerProcess
     from flows.config import build_config
     from runtime.backends.model import resolve_model
-    from tasks.steps import _SESSIONS, Session, _rollout, spawn_env_servers
+    from runtime.context import Runtime, Session
+    from tasks.steps import _rollout, spawn_env_servers
 
     tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
     with EnvServerProcess("babyai", max_envs=2) as a, EnvServerProcess("babyai", max_envs=3) as b:
         cfg = build_config("babyai", "tiny", ["rollout.backend=transformers", f"env.urls=[{a.url},{b.url}]"])
         s = Session(cfg=cfg, backend=FakeEngine(tok), chat=ChatFormat.from_tokenizer(tok))
-        _SESSIONS["env-urls-test"] = s
-        try:
-            urls = spawn_env_servers.fn("env-urls-test")
+        with Runtime() as rt:
+            key = rt.add_session(s)
+            urls = spawn_env_servers.fn(key)
             assert urls == [a.url, b.url] and s.servers == []  # running servers used, none spawned
             trajs, m = _rollout(s, urls, [task_index("train", i) for i in range(5)], 1, 2, 1.0, 8, "test")
-        finally:
-            _SESSIONS.pop("env-urls-test", None)
         assert len(trajs) == 5 and not [t.error for t in trajs if t.masked]
         created = []
         for srv in (a, b):  # ids are never reused: the next id counts the envs this server created

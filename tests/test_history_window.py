@@ -11,7 +11,7 @@ from core.chat import ChatFormat
 from core.trajectory import Trajectory, join_rows, segment_bounds, split_rows, turn_samples
 from envs.toy import ToyEnv
 from runtime.backends.generation import SamplingParams
-from runtime.env_sessions import LocalEpisode
+from envs.sessions import LocalEpisode
 from runtime.rollout import EpisodeSpec, RolloutRequest, RolloutRuntime, episode_seed, rollout
 from tests.test_async_rollout import FakeEngine
 

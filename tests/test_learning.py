@@ -22,7 +22,7 @@ from core.chat import ChatFormat
 from envs.base import StepResult
 from runtime.backends.generation import SamplingParams, TransformersBackend
 from runtime.backends.learner import LearnerConfig, TorchLearner
-from runtime.env_sessions import LocalEpisode
+from envs.sessions import LocalEpisode
 from runtime.rollout import EpisodeSpec, run_rollout
 
 

@@ -12,7 +12,7 @@ def test_model_load_failure_does_not_leave_the_mlflow_run_running(tmp_path):
     from flows.config import build_config
     from tasks.runs import make_tracker
     from flows.scalinginter import phase_flow
-    from tasks import steps as T
+    from runtime.context import Runtime
 
     broken = tmp_path / "broken-model"  # a folder that looks like an HF model and fails to load
     broken.mkdir()
@@ -20,8 +20,7 @@ def test_model_load_failure_does_not_leave_the_mlflow_run_running(tmp_path):
     cfg = build_config("toy", None, [f"output_dir={tmp_path / 'runs'}", f"model.path={broken}", "run_name=broken",
                                      "rollout.backend=transformers", 'curriculum.phases=[{"turn_limit": 1, "steps": 1}]',
                                      "eval.before=false", "eval.after=false"])
-    sessions_before = set(T._SESSIONS)
-    with pytest.raises(Exception) as info:
+    with Runtime() as rt, pytest.raises(Exception) as info:
         phase_flow.fn(cfg, 1, str(broken))  # the flow body itself; no Prefect API needed for this
     assert "fault injection" not in str(info.value)
     tracker = make_tracker(cfg)
@@ -29,24 +28,21 @@ def test_model_load_failure_does_not_leave_the_mlflow_run_running(tmp_path):
     exp = client.get_experiment_by_name(cfg.tracking.experiment)
     runs = client.search_runs([exp.experiment_id], "attributes.run_name = 'broken/phase-1'")
     assert len(runs) == 1 and runs[0].info.status == "FAILED", [r.info.status for r in runs]
-    assert set(T._SESSIONS) == sessions_before  # nothing left open
+    assert rt.sessions == {}  # nothing left open
 
 
 def test_tasks_take_and_return_values(tmp_path):
     """compute_advantages and policy_update talk through arguments and results, not session fields: the session
     holds only live handles, and the update uses exactly the batch and advantages it is given."""
-    import asyncio
     import dataclasses
 
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from flows.config import build_config
-    from tasks import steps as T
-    from runtime.backends.generation import SamplingParams
     from runtime.backends.model import resolve_model
-    from runtime.env_sessions import local_factory
-    from runtime.rollout import EpisodeSpec, run_rollout
+    from runtime.context import Runtime
+    from tasks import steps as T
 
     tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
     torch.manual_seed(0)
@@ -58,7 +54,21 @@ def test_tasks_take_and_return_values(tmp_path):
                                      "rollout.max_new_tokens=6", "rollout.token_budget=256", "algo.kl_coef=0"])
     assert {f.name for f in dataclasses.fields(T.Session)} == {"cfg", "learner", "model", "tokenizer", "backend",
                                                                "chat", "servers"}
-    key = T.open_session(cfg, str(tmp_path), train=True)
+    with Runtime():
+        _tasks_on_a_session(T, cfg, str(tmp_path))
+
+
+def _tasks_on_a_session(T, cfg, model_dir):
+    import asyncio
+    import dataclasses
+
+    import torch
+
+    from runtime.backends.generation import SamplingParams
+    from envs.sessions import local_factory
+    from runtime.rollout import EpisodeSpec, run_rollout
+
+    key = T.open_session(cfg, model_dir, train=True)
     try:
         s = T.get_session(key)
         specs = [EpisodeSpec(task_id=t, group_id=t) for t in range(2) for _ in range(2)]

@@ -8,7 +8,7 @@ import pytest
 from core.chat import ChatFormat
 from envs.toy import ToyEnv
 from runtime.backends.generation import Generation, SamplingParams
-from runtime.env_sessions import LocalEpisode
+from envs.sessions import LocalEpisode
 from runtime.rollout import EpisodeSpec, run_rollout
 
 
@@ -121,7 +121,7 @@ def test_http_rollout_masks_episodes_of_a_dead_server_then_restart_recovers(toke
     """Real env server process: killed -> episodes masked (never scored 0); restarted -> episodes run."""
     from envs.client import AsyncEnvClient
     from envs.spawn import EnvServerProcess
-    from runtime.env_sessions import HttpEpisode
+    from envs.sessions import HttpEpisode
 
     with EnvServerProcess("toy") as server:
         def run_http():
@@ -277,7 +277,7 @@ def test_http_server_killed_mid_rollout_is_replaced_and_its_episodes_rerun(token
     replaced on its port, and they run again to a score. The other server's episodes are untouched."""
     from envs.client import AsyncEnvClient
     from envs.spawn import EnvServerProcess
-    from runtime.env_sessions import HttpEpisode
+    from envs.sessions import HttpEpisode
     from runtime.rollout import run_rollout
 
     with EnvServerProcess("toy") as a, EnvServerProcess("toy") as b:
@@ -322,8 +322,8 @@ def test_a_task_index_the_env_refuses_is_a_config_error_not_a_masked_episode(tok
     """HTTP 400 bad_data_idx (e.g. env.task_pool larger than the env's split) fails the rollout with the fix."""
     from envs.client import AsyncEnvClient
     from envs.spawn import EnvServerProcess
-    from runtime.env_sessions import HttpEpisode
-    from runtime.rollout import EnvConfigError
+    from envs.sessions import HttpEpisode
+    from envs.errors import EnvConfigError
 
     with EnvServerProcess("toy") as server:
         async def go():

@@ -341,6 +341,12 @@ class DeepSpeedLearner(TorchLearner):
             return sd if self.rank == 0 else None
         return self.model.state_dict() if self.rank == 0 else None
 
+    def in_memory_weights(self):
+        """One rank: the whole model's weights here (ZeRO-3 gathers them); several ranks: None (sync by folder)."""
+        if self.world_size != 1:
+            return None
+        return lambda: self._full_state_dict().items()
+
     def save_weights(self, directory: Path) -> None:
         """HF folder with the model weights only (for the generation engine to reload). Collective."""
         sd = self._full_state_dict()
@@ -507,6 +513,9 @@ class DeepSpeedRemoteLearner:
 
     def save_weights(self, directory: Path) -> None:
         self._call("save_weights", str(directory))
+
+    def in_memory_weights(self) -> None:
+        return None  # the model lives in the ranks: the engine syncs through a folder
 
     def save(self, directory: Path, trainer_state: dict[str, Any]) -> None:
         self._call("save", str(directory), trainer_state)

@@ -15,7 +15,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import torch
 
@@ -48,6 +48,23 @@ class LearnerConfig:
     share_prefix: bool = True  # a group's common prompt runs once per forward (core.prefix)
     min_shared_prefix: int = 16
     device: str = "auto"  # model.device: auto (CUDA when available, else CPU), cpu, cuda, cuda:N
+
+    @classmethod
+    def from_run(cls, cfg: Any, critic_path: str | None = None) -> "LearnerConfig":
+        """A run's learner settings, read from its config types (``core.config.RunConfig``): every field named like
+        an ``algo`` setting is that setting; the rest come from ``model``, ``rollout`` and the estimator's needs.
+        ``critic_path``: the critic model's local folder (None: a copy of the policy)."""
+        from core.advantages import get_estimator
+        from runtime.backends.hardware import resolve_bf16
+
+        a = cfg.algo
+        spec = get_estimator(a.estimator)
+        other = dict(bf16_autocast=resolve_bf16(cfg.model.bf16_autocast), device=cfg.model.device,
+                     temperature=cfg.rollout.temperature, kl_in_loss=not spec.kl_in_reward, critic=spec.needs_critic,
+                     critic_path=critic_path, critic_lr=a.critic.lr or 1e-5, value_clip=a.critic.value_clip)
+        same = {f.name: getattr(a, f.name) for f in dataclasses.fields(cls)
+                if f.name in type(a).model_fields and f.name not in other}  # algo.critic is the critic's section
+        return cls(**same, **other)
 
 
 @dataclass
@@ -144,6 +161,29 @@ def load_causal_lm(path: str, device: Any = None):
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return model if device is None else model.to(device)
+
+
+class Learner(Protocol):
+    """What the tasks and the generation engine use of a learner (``TorchLearner``, the DeepSpeed learners)."""
+
+    model: Any  # the policy module in this process (None where it lives in other ranks)
+    tokenizer: Any
+
+    def prepare(self, trajs: list[Trajectory], old_for_reward: bool = False) -> Prepared: ...
+
+    def update(self, trajs: list[Trajectory], advantages: list[list[float]], prepared: Prepared | None = None,
+               returns: list[list[float]] | None = None) -> dict[str, float]: ...
+
+    def save(self, directory: Path, trainer_state: dict[str, Any]) -> None: ...
+
+    def save_weights(self, directory: Path) -> None:
+        """The current weights as an HF folder (a generation engine reloads them from there)."""
+
+    def in_memory_weights(self) -> "Callable[[], Iterable[tuple[str, torch.Tensor]]] | None":
+        """A function giving the current weights as ``(hf_name, tensor)`` pairs in this process (the in-memory
+        sync), or None where they live in other processes."""
+
+    def load_training_state(self, directory: Path, weights: bool = True) -> dict[str, Any]: ...
 
 
 class TorchLearner:
@@ -536,7 +576,13 @@ class TorchLearner:
         self.opt.step()
         return float(gn)
 
-    # -- checkpoints ------------------------------------------------------------------------------------
+    # -- weights and checkpoints ---------------------------------------------------------------------------
+    def save_weights(self, directory: Path) -> None:
+        self.model.save_pretrained(directory)
+
+    def in_memory_weights(self):
+        return lambda: self.model.named_parameters()
+
     def save(self, directory: Path, trainer_state: dict[str, Any]) -> None:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)

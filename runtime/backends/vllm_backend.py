@@ -5,12 +5,12 @@ Token-id prompts in, sampled token ids and their log-probs out, per-call samplin
 ``sync_weights`` writes the learner's weights to a folder and the engine reloads them in place
 (``collective_rpc("reload_weights", weights_path=...)``) — no engine restart.
 
-One engine per process: ``backend_for`` keeps the engine it started in a process-level holder. The next session
-whose engine-defining settings match (model architecture, tokenizer, dtype, max model len, KV cache, seed, ...)
-gets the same engine with its weights loaded in place — the learner's, in memory, or the folder's safetensors —
-instead of a new engine (~20-35 s). Inside ``keep_engines()`` (the parent flow, ``flows.evaluate.evaluate``) a
-closed session releases the engine and the outermost scope shuts it down; outside any scope a released engine is
-shut down at once. ``engine_stats()`` counts starts and reuses.
+One engine per run: the run's ``Runtime`` (``runtime.context``) keeps the engine it started in its ``EnginePool``.
+The next session whose engine-defining settings match (model architecture, tokenizer, dtype, max model len, KV
+cache, seed, ...) gets the same engine with its weights loaded in place — the learner's, in memory, or the
+folder's safetensors — instead of a new engine (~20-35 s). A closed session releases the engine; the Runtime
+shuts it down when it closes (the parent flow's, ``flows.evaluate.evaluate``'s). ``EnginePool.stats()`` counts
+starts and reuses.
 
 ``request_engine()`` opens the same engine request by request (``VLLMRequests``: add / step / abort on the
 ``LLMEngine`` inside ``vllm.LLM``) for the per-episode rollout, each request with its own seed.
@@ -48,7 +48,6 @@ import tempfile
 import threading
 import time
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -112,9 +111,6 @@ def to_generation(token_ids: list[int], logprob_dicts, eos_token_id: int, finish
         end = toks.index(eos_token_id) + 1
         return Generation(toks[:end], lps[:end], "stop")
     return Generation(toks, lps, "stop" if finish_reason == "stop" else "length")
-
-
-_IN_PROCESS_ENGINES = 0  # live in-process engines (their worker's torch.distributed group is in this process)
 
 
 def _check_in_process() -> None:
@@ -231,7 +227,7 @@ class VLLMRequests:
     join while others run. Same sampling params per request as ``generate`` (its own seed), same prompt rendering,
     same ``to_generation`` conversion: a request gives what ``generate`` would give for that prompt and seed in a
     batch of the same composition. Not ``AsyncLLM``: that would be a second engine process next to the one the
-    process keeps for the whole run (``backend_for``), with its own KV cache and weight syncs.
+    run keeps (``EnginePool.backend_for``), with its own KV cache and weight syncs.
     Keys must not look like integers (``LLM.generate`` numbers its own requests)."""
 
     def __init__(self, backend: "VLLMBackend"):
@@ -269,7 +265,7 @@ class VLLMRequests:
 
 
 class VLLMBackend:
-    """A vLLM ``LLM`` engine (``backend_for`` keeps one per process for many sessions). Close it (or use it as a
+    """A vLLM ``LLM`` engine (a run's ``EnginePool`` keeps one for many sessions). Close it (or use it as a
     context manager) to free its process."""
 
     def __init__(
@@ -371,9 +367,6 @@ class VLLMBackend:
                     import torch
 
                     torch.set_num_threads = self._set_num_threads
-        if self.in_process:
-            global _IN_PROCESS_ENGINES
-            _IN_PROCESS_ENGINES += 1
         self.start_time_s = time.time() - t0
         self.max_model_len = max_model_len
         self.dtype = str(self._llm.llm_engine.model_config.dtype).removeprefix("torch.")
@@ -601,8 +594,6 @@ class VLLMBackend:
 
         gc.collect()
         if self.in_process:  # the worker's process group lives in this process: end it with the engine
-            global _IN_PROCESS_ENGINES
-            _IN_PROCESS_ENGINES = max(0, _IN_PROCESS_ENGINES - 1)
             try:
                 from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
@@ -628,31 +619,16 @@ class VLLMBackend:
 
 
 def export_fn(learner) -> Callable[[Path], None] | None:
-    """How to write a learner's current weights as an HF folder (``save_weights`` where the learner has one —
-    DeepSpeed gathers ZeRO-3 shards — else the torch module's ``save_pretrained``)."""
-    if learner is None:
-        return None
-    fn = getattr(learner, "save_weights", None)
-    if fn is not None:
-        return fn
-
-    def save(directory: Path) -> None:
-        learner.model.save_pretrained(directory)
-
-    return save
+    """How to write a learner's current weights as an HF folder: its ``save_weights`` (``Learner`` protocol,
+    ``runtime.backends.learner``; DeepSpeed gathers ZeRO-3 shards)."""
+    return None if learner is None else learner.save_weights
 
 
 def named_weights_fn(learner) -> Callable[[], Iterable[tuple[str, Any]]] | None:
     """How to read a learner's current weights as ``(hf_name, tensor)`` pairs in this process, for the in-memory
-    sync; None when its model lives in other processes (multi-rank DeepSpeed), which then syncs through a folder."""
-    if learner is None or getattr(learner, "model", None) is None:
-        return None
-    full = getattr(learner, "_full_state_dict", None)
-    if full is not None:  # in-process DeepSpeed (ZeRO-3 gathers its shards)
-        if getattr(learner, "world_size", 1) != 1:
-            return None
-        return lambda: full().items()
-    return lambda: learner.model.named_parameters()
+    sync: its ``in_memory_weights()`` (``Learner`` protocol); None when its model lives in other processes
+    (multi-rank DeepSpeed), which then syncs through a folder."""
+    return None if learner is None else learner.in_memory_weights()
 
 
 def model_kv_bytes_per_token(model_dir: str, dtype: str) -> int:
@@ -785,9 +761,19 @@ def engine_in_process(cfg) -> bool:
         return False
     import torch.distributed as dist
 
-    # a torch.distributed group this process's own in-process engines did not set up (a DeepSpeed learner ran
+    # a torch.distributed group this process's own in-process engine did not set up (a DeepSpeed learner ran
     # here): child processes
-    return _IN_PROCESS_ENGINES > 0 or not (dist.is_available() and dist.is_initialized())
+    return vllm_owns_dist() or not (dist.is_available() and dist.is_initialized())
+
+
+def vllm_owns_dist() -> bool:
+    """Whether an in-process vLLM engine of this process holds its distributed groups now (vLLM's own parallel
+    state, set up when such an engine starts and torn down when it closes)."""
+    try:
+        from vllm.distributed.parallel_state import model_parallel_is_initialized
+    except ImportError:
+        return False
+    return bool(model_parallel_is_initialized())
 
 
 def settings_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
@@ -801,81 +787,81 @@ def settings_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return out
 
 
-@dataclass
-class EngineHolder:
-    """The process's kept engine: ``busy`` while a session holds it; ``depth`` counts open ``keep_engines``
-    scopes; ``starts`` / ``reuses`` count engine starts and weight loads into a kept engine."""
+class EnginePool:
+    """The engine a ``Runtime`` (``runtime.context``) keeps for its sessions: ``busy`` while a session holds it;
+    ``starts`` / ``reuses`` count engine starts and weight loads into the kept engine. The Runtime shuts it down
+    when it closes."""
 
-    engine: VLLMBackend | None = None
-    settings: dict[str, Any] | None = None
-    busy: bool = False
-    depth: int = 0
-    starts: int = 0
-    reuses: int = 0
-    lock: threading.RLock = field(default_factory=threading.RLock)
+    def __init__(self) -> None:
+        self.engine: VLLMBackend | None = None
+        self.settings: dict[str, Any] | None = None
+        self.busy = False
+        self.starts = 0
+        self.reuses = 0
+        self.lock = threading.RLock()
 
+    def stats(self) -> dict[str, Any]:
+        return {"starts": self.starts, "reuses": self.reuses, "live": self.engine is not None, "busy": self.busy}
 
-HOLDER = EngineHolder()
+    def shutdown(self) -> int:
+        """Shut the kept engine down now (whatever holds it). Returns the number of engines shut down."""
+        with self.lock:
+            engine, self.engine, self.settings, self.busy = self.engine, None, None, False
+        if engine is None:
+            return 0
+        engine.close()
+        return 1
 
-
-def engine_stats() -> dict[str, Any]:
-    return {"starts": HOLDER.starts, "reuses": HOLDER.reuses, "live": HOLDER.engine is not None,
-            "busy": HOLDER.busy, "depth": HOLDER.depth}
-
-
-def shutdown_engines() -> int:
-    """Shut the kept engine down now (whatever holds it). Returns the number of engines shut down."""
-    with HOLDER.lock:
-        engine, HOLDER.engine, HOLDER.settings, HOLDER.busy = HOLDER.engine, None, None, False
-    if engine is None:
-        return 0
-    engine.close()
-    return 1
-
-
-class keep_engines:
-    """A scope in which a released engine stays up for the next session; the outermost scope shuts it down on
-    exit. ``with keep_engines(): ...``, or ``scope = keep_engines().open()`` ... ``scope.close()`` in a finally."""
-
-    def __init__(self):
-        self._open = False
-
-    def open(self) -> "keep_engines":
-        with HOLDER.lock:
-            HOLDER.depth += 1
-            self._open = True
-        return self
-
-    def close(self) -> None:
-        with HOLDER.lock:
-            if not self._open:
+    def release(self, backend: VLLMBackend) -> None:
+        """A session is done with ``backend``: the kept engine stays up for the Runtime's next session (its learner
+        hooks dropped); any other engine (a second one started while the kept one was busy) is closed."""
+        with self.lock:
+            if backend is self.engine:
+                backend.named_weights = backend.export_weights = None  # the session's learner can go
+                self.busy = False
                 return
-            self._open = False
-            HOLDER.depth = max(0, HOLDER.depth - 1)
-            last = HOLDER.depth == 0 and not HOLDER.busy  # a session still open closes its engine on release
-        if last:
-            shutdown_engines()
-
-    def __enter__(self) -> "keep_engines":
-        return self.open()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def release_backend(backend: VLLMBackend) -> None:
-    """A session is done with ``backend``: the kept engine stays up inside a ``keep_engines`` scope (its learner
-    hooks dropped), and is shut down outside one; any other engine is closed."""
-    with HOLDER.lock:
-        if backend is HOLDER.engine:
-            backend.named_weights = backend.export_weights = None  # the session's learner can go
-            HOLDER.busy = False
-            if HOLDER.depth > 0:
-                return
-    if backend is HOLDER.engine:
-        shutdown_engines()
-    else:
         backend.close()
+
+    def backend_for(self, cfg, model_dir: str, tokenizer, learner=None) -> VLLMBackend:
+        """The session's engine for a ``RunConfig`` (``cfg.rollout`` / ``cfg.model``), its KV cache sized from the
+        batch: the kept engine when its settings match (the session's weights loaded into it), else a new one (a
+        kept engine with other settings is shut down first)."""
+        r = cfg.rollout
+        dtype = resolve_vllm_dtype(r.vllm_dtype)
+        plan = kv_plan_for(cfg, model_dir, dtype)
+        settings = engine_settings(cfg, model_dir, tokenizer.eos_token_id, plan.cache_bytes)
+        with self.lock:
+            held = self.engine
+            if held is not None and held._llm is None:  # closed behind the pool's back
+                self.engine, self.settings, self.busy, held = None, None, False, None
+            if held is not None and self.busy:
+                print("warning: the run's vLLM engine is in use by another session: starting a second engine "
+                      "(shut down when its session ends)", flush=True)
+                return self._start(cfg, model_dir, tokenizer, learner, dtype, plan)
+            if held is not None and self.settings == settings:
+                try:
+                    secs, source = _load_session_weights(held, model_dir, learner)
+                except BaseException:
+                    self.shutdown()  # its weights are half loaded: never hand it out again
+                    raise
+                held.export_weights, held.named_weights = export_fn(learner), named_weights_fn(learner)
+                held.sync_time_s, held.syncs = 0.0, 0
+                self.busy = True
+                self.reuses += 1
+                print(f"vLLM engine reused (no restart): weights of {source} loaded in {secs:.1f} s", flush=True)
+                return held
+            if held is not None:
+                print(f"vLLM engine settings changed ({', '.join(settings_diff(self.settings, settings))}): shutting "
+                      "the kept engine down and starting a new one", flush=True)
+                self.shutdown()
+            engine = self._start(cfg, model_dir, tokenizer, learner, dtype, plan)
+            self.engine, self.settings, self.busy = engine, settings, True
+            return engine
+
+    def _start(self, cfg, model_dir: str, tokenizer, learner, dtype: str, plan) -> VLLMBackend:
+        engine = _start_engine(cfg, model_dir, tokenizer, learner, dtype, plan)
+        self.starts += 1
+        return engine
 
 
 def _load_session_weights(engine: VLLMBackend, model_dir: str, learner) -> tuple[float, str]:
@@ -894,49 +880,12 @@ def _load_session_weights(engine: VLLMBackend, model_dir: str, learner) -> tuple
     return time.time() - t0, "the learner (in memory)" if named is not None else str(model_dir)
 
 
-def backend_for(cfg, model_dir: str, tokenizer, learner=None) -> VLLMBackend:
-    """The session's engine for a ``RunConfig`` (``cfg.rollout`` / ``cfg.model``), its KV cache sized from the
-    batch: the process's kept engine when its settings match (the session's weights loaded into it), else a new
-    one (a kept engine with other settings is shut down first)."""
-    r = cfg.rollout
-    dtype = resolve_vllm_dtype(r.vllm_dtype)
-    plan = kv_plan_for(cfg, model_dir, dtype)
-    settings = engine_settings(cfg, model_dir, tokenizer.eos_token_id, plan.cache_bytes)
-    with HOLDER.lock:
-        held = HOLDER.engine
-        if held is not None and held._llm is None:  # closed behind the holder's back
-            HOLDER.engine, HOLDER.settings, HOLDER.busy, held = None, None, False, None
-        if held is not None and HOLDER.busy:
-            print("warning: the process's vLLM engine is in use by another session: starting a second engine "
-                  "(shut down when its session ends)", flush=True)
-            return _start_engine(cfg, model_dir, tokenizer, learner, dtype, plan)
-        if held is not None and HOLDER.settings == settings:
-            try:
-                secs, source = _load_session_weights(held, model_dir, learner)
-            except BaseException:
-                shutdown_engines()  # its weights are half loaded: never hand it out again
-                raise
-            held.export_weights, held.named_weights = export_fn(learner), named_weights_fn(learner)
-            held.sync_time_s, held.syncs = 0.0, 0
-            HOLDER.busy = True
-            HOLDER.reuses += 1
-            print(f"vLLM engine reused (no restart): weights of {source} loaded in {secs:.1f} s", flush=True)
-            return held
-        if held is not None:
-            print(f"vLLM engine settings changed ({', '.join(settings_diff(HOLDER.settings, settings))}): shutting "
-                  "the kept engine down and starting a new one", flush=True)
-            shutdown_engines()
-        engine = _start_engine(cfg, model_dir, tokenizer, learner, dtype, plan)
-        HOLDER.engine, HOLDER.settings, HOLDER.busy = engine, settings, True
-        return engine
-
-
 def _start_engine(cfg, model_dir: str, tokenizer, learner, dtype: str, plan) -> VLLMBackend:
     from core.kvcache import GiB
 
     r = cfg.rollout
     in_process = engine_in_process(cfg)
-    if in_process and _IN_PROCESS_ENGINES > 0:  # one process holds one in-process engine (one distributed group)
+    if in_process and vllm_owns_dist():  # one process holds one in-process engine (one distributed group)
         print("note: this process already runs an in-process vLLM engine: the second one runs in its own processes",
               flush=True)
         in_process = False
@@ -946,7 +895,6 @@ def _start_engine(cfg, model_dir: str, tokenizer, learner, dtype: str, plan) -> 
                           tensor_parallel_size=r.tensor_parallel_size, sleep_mode=sleep_mode_for(cfg),
                           export_weights=export_fn(learner),
                           named_weights=named_weights_fn(learner), in_process=in_process)
-    HOLDER.starts += 1
     if plan.capped and is_cpu_build():
         backend.max_live_episodes = plan.live_cap
         print(f"warning: the KV cache ({plan.cache_bytes / GiB:.2f} GiB) holds {plan.fits} episodes of "

@@ -1,14 +1,14 @@
-"""EpisodeEnv adapters for the rollout loop: over HTTP (the env server) or in-process (tests, notebooks)."""
+"""``EpisodeEnv`` adapters (``envs.base``) for the rollout loop: over HTTP (the env server) or in-process (tests,
+notebooks)."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
-from envs.base import TextEnv, TurnLimit
+from envs.base import EnvReply, TextEnv
 from envs.client import AsyncEnvClient
-from envs.errors import EnvError
-from runtime.rollout import EnvConfigError, EnvInfraError, EnvReply
+from envs.errors import EnvConfigError, EnvError, EnvInfraError
 
 
 class HttpEpisode:
@@ -120,4 +120,4 @@ def local_factory(name: str, options: dict[str, Any] | None = None):
     return make
 
 
-__all__ = ["HttpEpisode", "LocalEpisode", "PooledEpisode", "ServerSlots", "local_factory", "TurnLimit"]
+__all__ = ["HttpEpisode", "LocalEpisode", "PooledEpisode", "ServerSlots", "local_factory"]
