@@ -104,7 +104,9 @@ def main() -> None:
     from tasks import steps as T
     from tasks.runs import resolve_run
 
-    if importlib_has("vllm"):
+    from runtime.backends.vllm_backend import vllm_available
+
+    if vllm_available():
         import vllm  # noqa: F401
     cfg = resolve_run(build_config(a.env, a.preset, [f"output_dir=/tmp/bench-memory-{os.getpid()}"] + a.sets))
     model_dir = resolve_model(cfg.model.path)
@@ -161,12 +163,6 @@ def main() -> None:
         Path(a.out).write_text(json.dumps({"env": a.env, "preset": a.preset, "sets": a.sets, "cpu_flags": flags,
                                            "backend": cfg.rollout.backend, "stages": rows, "peak_tree_rss_gib": whole,
                                            "expected_gib": expect}, indent=2))
-
-
-def importlib_has(name: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(name) is not None
 
 
 if __name__ == "__main__":

@@ -22,11 +22,14 @@ import contextlib
 import threading
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from core.chat import ChatFormat
 from core.config import RunConfig
 from core.walltime import WallLedger
+
+if TYPE_CHECKING:  # the learner module imports torch: not at this module's import
+    from runtime.backends.learner import Learner
 
 _LOCK = threading.RLock()
 _OPEN: list["Runtime"] = []  # the open Runtimes, innermost last (see the module docstring)
@@ -37,7 +40,7 @@ class Session:
     """One phase's or evaluation's live handles; no step's data is kept here."""
 
     cfg: RunConfig
-    learner: Any = None  # a Learner (training) or None (eval only)
+    learner: "Learner | None" = None  # training; None in an evaluation
     model: Any = None
     tokenizer: Any = None
     backend: Any = None

@@ -26,8 +26,8 @@ from typing import Any, Callable
 from core.demos import action_reply
 from core.redact import redact
 from core.trajectory import Trajectory
-from runtime.backends.generation import Generation, SamplingParams
 from envs.base import EnvReply, EpisodeEnv
+from runtime.backends.generation import Generation, SamplingParams
 from runtime.rollout import EpisodeSpec, RolloutRequest, RolloutRuntime, episode_seed, rollout
 
 Expert = Callable[[str, dict], "str | None"]

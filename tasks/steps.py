@@ -11,6 +11,7 @@ results with persistence off carry Python objects). Step checkpoints are written
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -362,13 +363,19 @@ def evaluate_ids(key: str, urls: list[str], task_ids: list[int], turn_limit: int
 
 def score_model(cfg: RunConfig, model_dir: str, task_ids: list[int], turn_limit: int,
                 max_new_tokens: int, episodes_path: str | None = None) -> dict[str, float]:
-    """Load a model (no learner), spawn env servers, score ``task_ids`` greedily, tear everything down (in the open
-    Runtime, whose engine stays up, or in its own)."""
+    """Load a model (no learner), spawn env servers, score ``task_ids`` greedily, tear everything down."""
+    with _eval_session(cfg, model_dir) as (key, urls):
+        return evaluate_ids(key, urls, task_ids, turn_limit, max_new_tokens, episodes_path)
+
+
+@contextlib.contextmanager
+def _eval_session(cfg: RunConfig, model_dir: str):
+    """An evaluation's session (model, no learner) and its env servers' URLs, in the open Runtime (whose engine
+    stays up after it) or in its own; closed on exit."""
     with Runtime.scope():
         key = open_session(cfg, model_dir, train=False)
         try:
-            urls = spawn_env_servers(key)
-            return evaluate_ids(key, urls, task_ids, turn_limit, max_new_tokens, episodes_path)
+            yield key, spawn_env_servers(key)
         finally:
             close_session(key)
 
@@ -411,16 +418,10 @@ def evaluate_sweep(key: str, urls: list[str], task_ids: list[int], turn_limits: 
 
 def score_sweep(cfg: RunConfig, model_dir: str, task_ids: list[int], turn_limits: list[int], samples: int,
                 temperature: float, max_new_tokens: int, seed: int, episodes_path: str | None = None) -> dict[str, Any]:
-    """Load a model (no learner) and one engine, spawn env servers, ``evaluate_sweep``, tear everything down (in
-    the open Runtime, whose engine stays up, or in its own)."""
-    with Runtime.scope():
-        key = open_session(cfg, model_dir, train=False)
-        try:
-            urls = spawn_env_servers(key)
-            return evaluate_sweep(key, urls, task_ids, turn_limits, samples, temperature, max_new_tokens, seed,
-                                  episodes_path)
-        finally:
-            close_session(key)
+    """Load a model (no learner) and one engine, spawn env servers, ``evaluate_sweep``, tear everything down."""
+    with _eval_session(cfg, model_dir) as (key, urls):
+        return evaluate_sweep(key, urls, task_ids, turn_limits, samples, temperature, max_new_tokens, seed,
+                              episodes_path)
 
 
 # --- checkpoints ---------------------------------------------------------------------------------------
