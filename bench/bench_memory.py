@@ -1,6 +1,7 @@
 """Where the smoke recipe's memory goes: resident memory by component, and the whole process tree's peak.
 
     python bench/bench_memory.py [--preset smoke] [--steps 1] [--set key=value ...] [--out FILE.json]
+    python bench/bench_memory.py --demo [--preset smoke] [--set key=value ...] [--out FILE.json]
 
 Runs the preset's phase as the product does (a ``Runtime``, ``open_session`` with the learner and the configured
 generation engine, env servers, then per step ``rollout_batch`` -> ``compute_advantages`` -> ``policy_update``,
@@ -10,6 +11,11 @@ the tree's RSS when the stage ends, its peak during the stage, and what the stag
 that explain them, computed from the model and the config: the policy's weights, gradients and AdamW state (fp32),
 the reference model, the vLLM engine's KV cache (its plan) and the vocabulary-wide tensors of one micro-batch.
 RSS is not a timing: it holds on a busy machine too. Run it once per change, before and after, on one machine.
+
+``--demo`` runs the whole recipe instead, as a user does (``scalinginter run ENV --preset NAME``, every phase and
+evaluation, in a child process), sampling the child's process tree every 20 ms and reading its console: it prints
+the tree's RSS over time against the console line that was last printed (so each peak has a stage), the whole
+tree's peak and the largest single process's (what ``/usr/bin/time -v`` reports as maximum resident set size).
 """
 
 from __future__ import annotations
@@ -70,6 +76,92 @@ class TreeSampler:
         self._thread.join()
 
 
+def run_demo(a) -> None:
+    """``--demo``: the recipe end to end in a child process, its tree's RSS against its console (module docstring)."""
+    import resource
+    import subprocess
+    import tempfile
+
+    import psutil
+
+    out_dir = tempfile.mkdtemp(prefix="bench-memory-demo-")
+    cmd = [sys.executable, "-m", "flows.cli", "run", a.env, "--preset", a.preset, "--run-name", "bench-memory",
+           "--set", f"output_dir={out_dir}"]
+    for kv in a.sets:
+        cmd += ["--set", kv]
+    env = dict(os.environ, PREFECT_HOME=os.path.join(out_dir, "prefect"), PYTHONUNBUFFERED="1")
+    t0 = time.time()
+    child = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = psutil.Process(child.pid)
+    lines: list[tuple[float, str]] = [(0.0, "(start)")]
+    samples: list[tuple[float, int, int]] = []  # (t, tree rss, largest process rss)
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            try:
+                procs = [proc] + proc.children(recursive=True)
+            except psutil.Error:
+                break
+            rss = []
+            for q in procs:
+                try:
+                    rss.append(q.memory_info().rss)
+                except psutil.Error:
+                    pass
+            if rss:
+                samples.append((time.time() - t0, sum(rss), max(rss)))
+            time.sleep(0.02)
+
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    for line in child.stdout:
+        line = line.rstrip()
+        if line.strip():
+            lines.append((time.time() - t0, line))
+            if a.echo:
+                print(line, flush=True)
+    rc = child.wait()
+    done.set()
+    th.join()
+    wall = time.time() - t0
+    largest = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # KiB on Linux
+    # each console line's stage: from when it was printed to the next line
+    stages = []
+    j = 0
+    for i, (t, line) in enumerate(lines):
+        t_end = lines[i + 1][0] if i + 1 < len(lines) else wall
+        peak = 0
+        while j < len(samples) and samples[j][0] < t_end:
+            peak = max(peak, samples[j][1])
+            j += 1
+        stages.append({"t_s": round(t, 1), "line": line[:140], "peak_tree_rss_gib": round(peak / GiB, 3)})
+    whole = max((s[1] for s in samples), default=0) / GiB
+    flags = sorted(set(f for f in open("/proc/cpuinfo").read().split() if f in ("avx512_bf16", "amx_bf16")))
+    print(f"\n{'t (s)':>7}  {'tree peak':>9}  console line (the stage until the next one)")
+    shown = 0.0
+    for st in stages:  # the lines where the tree's peak moved by >= 0.1 GiB, and the top ones
+        if abs(st["peak_tree_rss_gib"] - shown) >= 0.1 or st["peak_tree_rss_gib"] >= whole - 0.05:
+            print(f"{st['t_s']:7.1f}  {st['peak_tree_rss_gib']:7.2f} G  {st['line'][:100]}")
+            shown = st["peak_tree_rss_gib"]
+    print(f"\nexit {rc}; wall {wall:.0f} s; whole tree's peak {whole:.2f} GiB; largest process's max RSS "
+          f"{largest / GiB:.2f} GiB ({a.env} {a.preset}{' ' + ' '.join(a.sets) if a.sets else ''}; cpu flags "
+          f"{' '.join(flags) or 'none'})")
+    if a.out:
+        Path(a.out).write_text(json.dumps({"mode": "demo", "env": a.env, "preset": a.preset, "sets": a.sets,
+                                           "cpu_flags": flags, "exit": rc, "wall_s": round(wall, 1),
+                                           "peak_tree_rss_gib": round(whole, 3),
+                                           "largest_process_max_rss_gib": round(largest / GiB, 3),
+                                           "stages": stages,
+                                           "samples": [(round(t, 2), round(tr / GiB, 3)) for t, tr, _ in
+                                                       samples[::25]]}, indent=1))
+    import shutil
+
+    shutil.rmtree(out_dir, ignore_errors=True)
+    if rc != 0:
+        sys.exit(rc)
+
+
 def sizes(cfg, learner, model_dir: str) -> dict[str, float]:
     """What the components should take, from the model and the config (GiB)."""
     from runtime.backends.vllm_backend import kv_plan_for, resolve_vllm_dtype
@@ -92,7 +184,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--set", dest="sets", action="append", default=[])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--demo", action="store_true", help="the whole recipe as `scalinginter run` (module docstring)")
+    ap.add_argument("--echo", action="store_true", help="--demo: show the run's console as it goes")
     a = ap.parse_args()
+    if a.demo:
+        return run_demo(a)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     sampler = TreeSampler()
     sampler.mark("imports (torch, transformers, Prefect, vLLM)")

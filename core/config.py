@@ -234,6 +234,10 @@ class AlgoConfig(_Strict):
     share_prefix: bool = Field(True, description="The samples of a group run their common prompt through the "
                                                  "learner once per forward (same log-probs and gradients, fewer "
                                                  "FLOPs).")
+    logprob_chunk: int = Field(512, ge=0, description="Policy positions whose log-probs (and entropies) are "
+                                                      "computed at once: the [positions, vocab] logits never exceed "
+                                                      "this many rows (recomputed per chunk in the backward pass). "
+                                                      "0: all positions of a micro-batch at once (the old path).")
 
     @model_validator(mode="after")
     def _estimator_options(self):

@@ -19,6 +19,7 @@ inside a run, a phase flow inside its parent) joins the open Runtime: one engine
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from core.chat import ChatFormat
 from core.config import RunConfig
 from core.walltime import WallLedger
+from runtime.memory import trim_heap
 
 if TYPE_CHECKING:  # the learner module imports torch: not at this module's import
     from runtime.backends.learner import Learner
@@ -130,6 +132,15 @@ class Runtime:
             s = self.sessions.pop(key, None)
         if s is None:
             return []
+        failures = self._close_parts(s)
+        del s  # the last reference: the learner's weights and optimizer state are freed here (gc: any cycle too)
+        gc.collect()
+        trim_heap()  # and go back to the OS (runtime.memory)
+        for f in failures:
+            print(f"warning: closing a session: {f}", flush=True)
+        return failures
+
+    def _close_parts(self, s: Session) -> list[str]:
         failures: list[str] = []
 
         def attempt(what: str, fn) -> None:
@@ -147,8 +158,6 @@ class Runtime:
             close = getattr(obj, "close", None)
             if close is not None:
                 attempt(f"{type(obj).__name__}.close", close)
-        for f in failures:
-            print(f"warning: closing a session: {f}", flush=True)
         return failures
 
     def close(self) -> None:

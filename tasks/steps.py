@@ -35,6 +35,7 @@ from core.trajectory import Trajectory, join_rows, split_rows, turn_samples
 from envs.base import task_index
 from runtime.context import Runtime, Session
 from runtime.killpoint import kill_point
+from runtime.memory import trim_heap
 from runtime.timing import timed
 
 TASK_OPTS = dict(cache_policy=NO_CACHE, persist_result=False)
@@ -344,6 +345,7 @@ def policy_update(key: str, batch: Batch, adv: Advantages) -> dict[str, float]:
         s.backend.sync_weights()  # a separate generation engine (vLLM) reloads the new weights; no-op otherwise
     if hasattr(s.backend, "sync_time_s"):
         out["weight_sync_s"] = s.backend.sync_time_s
+    trim_heap()  # the update's activations and gradients, freed, go back to the OS (runtime.memory)
     return out
 
 
@@ -357,6 +359,8 @@ def evaluate_ids(key: str, urls: list[str], task_ids: list[int], turn_limit: int
     trajs, m = _rollout(s, urls, task_ids, 1, turn_limit, 0.0, max_new_tokens, "eval")
     if episodes_path:
         write_rollout_parquet(trajs, Path(episodes_path), phase=0, step=0)
+    del trajs
+    trim_heap()
     return {"success_rate": m["success_rate"], "mean_reward": m["mean_reward"], "mean_turns": m["mean_turns"],
             "episodes": m["episodes"], "masked_episodes": m["masked_episodes"]}
 

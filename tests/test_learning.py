@@ -284,3 +284,45 @@ def test_token_capped_micro_batches_give_the_same_update(tiny_model_dir):
     assert sa["loss"] == pytest.approx(sb["loss"], rel=1e-5, abs=1e-7)
     assert any(ga[k].abs().sum() > 0 for k in ga)
     assert all(torch.allclose(ga[k], gb[k], atol=1e-7, rtol=1e-4) for k in ga)  # the gradient the optimizer steps on
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_chunked_logprobs_give_the_same_update(tiny_model_dir, bf16):
+    """Log-probs projected onto the vocabulary a few positions at a time (``algo.logprob_chunk``, recomputed in the
+    backward pass) against all positions at once (chunk 0): the same log-probs, entropies, loss and gradients, in
+    fp32 within 1e-5 and under bf16 autocast within bf16's rounding; at a sampling temperature that is not 1, over
+    several chunks (3 positions each), with and without the shared prompt."""
+    from core.advantages import pad_rows
+
+    runs = {}
+    for chunk in (0, 3):
+        for share in (True, False):
+            learner = TorchLearner(tiny_model_dir, LearnerConfig(lr=1e-2, kl_coef=0.0, micro_batch_size=8,
+                                                                 bf16_autocast=bf16, temperature=0.7,
+                                                                 logprob_chunk=chunk, share_prefix=share))
+            trajs, advs = _fixed_batch(learner.tokenizer)
+            seqs, masks, groups = [t.token_ids for t in trajs], [t.loss_mask for t in trajs], [t.group_id for t in trajs]
+            assert sum(map(sum, masks)) > 3 * 4  # several chunks per forward
+            ids, att = learner._pad(seqs)
+            need = pad_rows(masks, ids.shape[1]).bool()
+            logp, ent = learner._token_logp(learner.model, ids, att, with_entropy=True, need=need, groups=groups)
+            before = learner.sequence_logprobs(seqs, masks=masks, groups=groups)  # no-grad path, before the step
+            grads = {}
+            real_step = learner._step
+            learner._step = lambda: (grads.update({k: p.grad.clone() for k, p in learner.model.named_parameters()}),
+                                     real_step())[1]
+            st = learner.update(trajs, advs, prepared=learner.prepare(trajs))
+            runs[chunk, share] = (logp.detach(), ent, grads, st["loss"], st["entropy"], before)
+    tol = dict(atol=2e-2, rtol=2e-2) if bf16 else dict(atol=1e-5, rtol=1e-5)
+    for share in (True, False):
+        (la, ea, ga, lossa, enta, sa), (lb, eb, gb, lossb, entb, sb) = runs[3, share], runs[0, share]
+        assert torch.allclose(la, lb, **tol) and torch.allclose(ea, eb, **tol)
+        assert lossa == pytest.approx(lossb, rel=tol["rtol"], abs=tol["atol"])
+        assert enta == pytest.approx(entb, rel=tol["rtol"], abs=tol["atol"])
+        assert all(torch.allclose(torch.tensor(x), torch.tensor(y), **tol) for x, y in zip(sa, sb))
+        assert any(gb[k].abs().sum() > 0 for k in gb)
+        for k in ga:  # elementwise (fp32: 1e-5); bf16 relative to the gradient's size (each product is rounded)
+            if bf16:
+                assert float((ga[k] - gb[k]).norm() / gb[k].norm().clamp_min(1e-12)) < 2e-2, k
+            else:
+                assert torch.allclose(ga[k], gb[k], atol=1e-5, rtol=1e-4), (k, float((ga[k] - gb[k]).abs().max()))

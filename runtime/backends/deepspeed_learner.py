@@ -27,6 +27,7 @@ update equals one rank's on the whole batch (``tests/test_multirank.py``).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import socket
@@ -227,6 +228,8 @@ class DeepSpeedLearner(TorchLearner):
         _ensure_dist()
         if torch.cuda.is_available():  # this rank's GPU is the current device before any model is loaded
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if zero_stage == 3 and cfg.logprob_chunk:  # ZeRO-3 gathers the output weight only inside the module's call
+            cfg = dataclasses.replace(cfg, logprob_chunk=0)
         super().__init__(model_path, cfg, reference_path)  # tokenizer, fp32 policy, frozen reference, AdamW
         self.zero_stage = zero_stage
         self.ds_conf = ds_config(zero_stage, cfg, offload_optimizer=offload_optimizer, bf16_weights=bf16_weights,
@@ -294,6 +297,9 @@ class DeepSpeedLearner(TorchLearner):
     # (it reaches every parameter, so ZeRO's reduction hooks fire at any stage), then steps.
     def _zero_grad(self) -> None:
         self.engine.zero_grad()
+
+    def _release_grads(self) -> None:
+        """The engine's step zeroes its gradients (ZeRO keeps them in its own buffers): nothing to free here."""
 
     def _backward(self, loss: torch.Tensor) -> None:
         self.engine.set_gradient_accumulation_boundary(False)

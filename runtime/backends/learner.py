@@ -23,6 +23,7 @@ from core.advantages import pad_rows
 from core.losses import batch_totals, micro_batches, nll_loss, policy_loss, sequence_weights
 from core.prefix import plan_shared_prefixes
 from core.trajectory import Trajectory
+from runtime.backends.logprobs import chunked_token_logprobs
 from runtime.backends.safe_load import load_plain
 
 
@@ -47,6 +48,7 @@ class LearnerConfig:
     value_clip: float = 0.2
     share_prefix: bool = True  # a group's common prompt runs once per forward (core.prefix)
     min_shared_prefix: int = 16
+    logprob_chunk: int = 512  # policy positions projected onto the vocabulary at once (0: all at once)
     device: str = "auto"  # model.device: auto (CUDA when available, else CPU), cpu, cuda, cuda:N
 
     @classmethod
@@ -281,11 +283,20 @@ class TorchLearner:
         ids, att, need = self._dev(ids), self._dev(att), self._dev(need)
         core = getattr(model, "module", model)  # unwrap engine wrappers (DeepSpeed)
         fast = need is not None and not any(getattr(core.config, a, None) for a in _LOGIT_POSTPROCESSING)
+        head = core.get_output_embeddings() if fast else None
+        if fast and self.cfg.logprob_chunk and getattr(head, "bias", None) is None:
+            sel = need[:, 1:].bool()  # the token at t is predicted from the hidden state at t - 1
+            with self._autocast():
+                h = self._hidden(core, ids, att, need, groups)
+            dtype = torch.bfloat16 if self.cfg.bf16_autocast else None
+            tok, ent = chunked_token_logprobs(h[sel], head.weight, ids[:, 1:][sel], self.cfg.temperature,
+                                              self.cfg.logprob_chunk, with_entropy, dtype)
+            return self._scatter_rows(tok, ent, sel, ids.shape)
         if fast:
             sel = need[:, 1:].bool()  # the token at t is predicted from the hidden state at t - 1
             with self._autocast():
                 h = self._hidden(core, ids, att, need, groups)
-                logits = core.get_output_embeddings()(h[sel])
+                logits = head(h[sel])
             logits = logits.float()
         else:
             with self._autocast():
@@ -302,14 +313,23 @@ class TorchLearner:
                 p = torch.softmax(logits, dim=-1)
                 ent = logz - (p * logits).sum(-1)
         if fast:
-            B, T = ids.shape
-            tok = torch.zeros((B, T - 1), dtype=tok.dtype, device=tok.device).masked_scatter(sel, tok)
-            if ent is not None:
-                ent = torch.zeros((B, T - 1), dtype=ent.dtype, device=ent.device).masked_scatter(sel, ent)
+            return self._scatter_rows(tok, ent, sel, ids.shape)
         logp = torch.cat([torch.zeros_like(tok[:, :1]), tok], dim=1)
         if ent is not None:
             ent = torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1)
         return logp, ent
+
+    @staticmethod
+    def _scatter_rows(tok: torch.Tensor, ent: torch.Tensor | None, sel: torch.Tensor, shape):
+        """The selected positions' values (``sel``: [B, T-1]) back into [B, T] rows, 0 elsewhere and at t = 0."""
+        B, T = shape
+        out = []
+        for v in (tok, ent):
+            if v is not None:
+                v = torch.zeros((B, T - 1), dtype=v.dtype, device=v.device).masked_scatter(sel, v)
+                v = torch.cat([torch.zeros_like(v[:, :1]), v], dim=1)
+            out.append(v)
+        return out[0], out[1]
 
     @torch.no_grad()
     def sequence_logprobs(self, seqs: list[list[int]], reference: bool = False,
@@ -409,6 +429,7 @@ class TorchLearner:
         self.model.train()
         for mini in self._mini_batches(len(p.live)):
             self._train_mini_batch(batch, mini, tally)
+        self._release_grads()
         return self._update_stats(batch, tally, t0)
 
     def _mini_batches(self, n_live: int) -> Iterator[list[int]]:
@@ -566,6 +587,13 @@ class TorchLearner:
 
     def _zero_grad(self) -> None:
         self.opt.zero_grad(set_to_none=True)
+
+    def _release_grads(self) -> None:
+        """After the update's last optimizer step: the gradients are spent, free them now (not at the next update's
+        first step), so the rollout and evaluation between updates run without them in memory."""
+        self.opt.zero_grad(set_to_none=True)
+        if self.critic is not None:
+            self.critic.zero_grad()
 
     def _backward(self, loss: torch.Tensor) -> None:
         loss.backward()

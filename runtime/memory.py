@@ -1,0 +1,36 @@
+"""Giving freed memory back to the operating system.
+
+glibc's allocator keeps what a process frees in its heaps for reuse: torch tensors between 128 KiB and 32 MiB (a
+135M model's weight matrices, their gradients and AdamW moments, the update's activations) come from there once
+its mmap threshold has risen, and after a phase's learner is closed, or an update's activations are freed, those
+pages stay resident. Measured on a multistep study arm in its third phase: 11.8 GB resident before
+``malloc_trim(0)``, 7.5 GB after, the same live tensors (4.3 GB of free heap pages held). ``trim_heap`` hands the
+free pages back; the pipeline calls it after each update, each evaluation and each closed session. A no-op where
+the C library is not glibc (macOS, musl).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or None where the C library has none."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        fn = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+def trim_heap() -> bool:
+    """Return the heap's free pages to the OS (glibc ``malloc_trim(0)``: every arena, the pages inside it too, not
+    only its top). Live memory is untouched. Returns True when some memory was released."""
+    fn = _malloc_trim()
+    return bool(fn(0)) if fn is not None else False
