@@ -89,9 +89,12 @@ def run_demo(a) -> None:
            "--set", f"output_dir={out_dir}"]
     for kv in a.sets:
         cmd += ["--set", kv]
-    env = dict(os.environ, PREFECT_HOME=os.path.join(out_dir, "prefect"), PYTHONUNBUFFERED="1")
+    repo = Path(a.repo).resolve() if a.repo else ROOT
+    env = dict(os.environ, PREFECT_HOME=os.path.join(out_dir, "prefect"), PYTHONUNBUFFERED="1",
+               PYTHONPATH=str(repo))
+    log = open(a.log, "w") if a.log else None
     t0 = time.time()
-    child = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    child = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     proc = psutil.Process(child.pid)
     lines: list[tuple[float, str]] = [(0.0, "(start)")]
     samples: list[tuple[float, int, int]] = []  # (t, tree rss, largest process rss)
@@ -117,6 +120,9 @@ def run_demo(a) -> None:
     th.start()
     for line in child.stdout:
         line = line.rstrip()
+        if log is not None:
+            log.write(line + "\n")
+            log.flush()
         if line.strip():
             lines.append((time.time() - t0, line))
             if a.echo:
@@ -148,7 +154,8 @@ def run_demo(a) -> None:
           f"{largest / GiB:.2f} GiB ({a.env} {a.preset}{' ' + ' '.join(a.sets) if a.sets else ''}; cpu flags "
           f"{' '.join(flags) or 'none'})")
     if a.out:
-        Path(a.out).write_text(json.dumps({"mode": "demo", "env": a.env, "preset": a.preset, "sets": a.sets,
+        Path(a.out).write_text(json.dumps({"mode": "demo", "repo": str(repo), "commit": _commit(repo),
+                                           "env": a.env, "preset": a.preset, "sets": a.sets,
                                            "cpu_flags": flags, "exit": rc, "wall_s": round(wall, 1),
                                            "peak_tree_rss_gib": round(whole, 3),
                                            "largest_process_max_rss_gib": round(largest / GiB, 3),
@@ -160,6 +167,13 @@ def run_demo(a) -> None:
     shutil.rmtree(out_dir, ignore_errors=True)
     if rc != 0:
         sys.exit(rc)
+
+
+def _commit(repo: Path) -> str | None:
+    import subprocess
+
+    r = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return r.stdout.strip() or None
 
 
 def sizes(cfg, learner, model_dir: str) -> dict[str, float]:
@@ -186,6 +200,9 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--demo", action="store_true", help="the whole recipe as `scalinginter run` (module docstring)")
     ap.add_argument("--echo", action="store_true", help="--demo: show the run's console as it goes")
+    ap.add_argument("--log", default=None, help="--demo: write the run's whole console to this file")
+    ap.add_argument("--repo", default=None, help="--demo: run the code of this checkout (another commit, "
+                                                 "for a before/after pair); default this one")
     a = ap.parse_args()
     if a.demo:
         return run_demo(a)

@@ -241,6 +241,11 @@ class AlgoConfig(_Strict):
                                                       "computed at once: the [positions, vocab] logits never exceed "
                                                       "this many rows (recomputed per chunk in the backward pass). "
                                                       "0: all positions of a micro-batch at once (the old path).")
+    activation_checkpointing: int = Field(
+        0, ge=0, description="N > 0: every N-th decoder layer of the policy keeps only its input and recomputes its "
+                             "activations in the backward pass (less update memory, ~1/3 more update FLOPs at N=1; "
+                             "the shared-prompt forward is then off for the policy: transformers drops the cache in "
+                             "checkpointed layers). 0: off.")
 
     @model_validator(mode="after")
     def _estimator_options(self):

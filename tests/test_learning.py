@@ -326,3 +326,28 @@ def test_chunked_logprobs_give_the_same_update(tiny_model_dir, bf16):
                 assert float((ga[k] - gb[k]).norm() / gb[k].norm().clamp_min(1e-12)) < 2e-2, k
             else:
                 assert torch.allclose(ga[k], gb[k], atol=1e-5, rtol=1e-4), (k, float((ga[k] - gb[k]).abs().max()))
+
+
+def test_activation_checkpointing_gives_the_same_update(tiny_model_dir):
+    """Checkpointed decoder layers (every layer, every 2nd) recompute their activations in the backward pass: the
+    same loss and gradients as keeping them (fp32, 1e-5), and the layers really are checkpointed."""
+    runs = {}
+    for every in (0, 1, 2):
+        learner = TorchLearner(tiny_model_dir, LearnerConfig(lr=1e-2, kl_coef=0.0, micro_batch_size=8,
+                                                             bf16_autocast=False, activation_checkpointing=every))
+        layers = learner.model.model.layers
+        assert [bool(getattr(m, "gradient_checkpointing", False)) for m in layers] == \
+            [bool(every) and i % every == 0 for i in range(len(layers))]
+        trajs, advs = _fixed_batch(learner.tokenizer)
+        grads = {}
+        real_step = learner._step
+        learner._step = lambda: (grads.update({k: p.grad.clone() for k, p in learner.model.named_parameters()}),
+                                 real_step())[1]
+        st = learner.update(trajs, advs, prepared=learner.prepare(trajs))
+        runs[every] = (st["loss"], grads)
+    loss0, g0 = runs[0]
+    assert any(g.abs().sum() > 0 for g in g0.values())
+    for every in (1, 2):
+        loss, g = runs[every]
+        assert loss == pytest.approx(loss0, rel=1e-5, abs=1e-7)
+        assert all(torch.allclose(g[k], g0[k], atol=1e-5, rtol=1e-4) for k in g0), every

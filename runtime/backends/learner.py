@@ -49,6 +49,7 @@ class LearnerConfig:
     share_prefix: bool = True  # a group's common prompt runs once per forward (core.prefix)
     min_shared_prefix: int = 16
     logprob_chunk: int = 512  # policy positions projected onto the vocabulary at once (0: all at once)
+    activation_checkpointing: int = 0  # N > 0: every N-th decoder layer recomputes its activations in the backward
     device: str = "auto"  # model.device: auto (CUDA when available, else CPU), cpu, cuda, cuda:N
 
     @classmethod
@@ -199,6 +200,9 @@ class TorchLearner:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = load_causal_lm(model_path, self.device)
         self.model.config.use_cache = False
+        if cfg.activation_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False},
+                                                     every_n_layers=cfg.activation_checkpointing)
         self.model.train()
         self.ref = None
         if cfg.kl_coef > 0:
@@ -242,7 +246,9 @@ class TorchLearner:
         there) are left 0 except the last, which predicts each row's first own token."""
         lens = att.sum(1).tolist()
         blocks = []
-        if groups is not None and self.cfg.share_prefix and len(lens) > 1:
+        # a checkpointed layer in training mode drops the key/value cache the shared prompt hands on (transformers)
+        checkpointed = getattr(core, "is_gradient_checkpointing", False) and core.training
+        if groups is not None and self.cfg.share_prefix and len(lens) > 1 and not checkpointed:
             seqs = [ids[r, :n].tolist() for r, n in enumerate(lens)]
             masks = [need[r, :n].int().tolist() for r, n in enumerate(lens)]
             blocks = plan_shared_prefixes(seqs, masks, groups, self.cfg.min_shared_prefix)
