@@ -515,6 +515,13 @@ def _merge_nested_bands(parts: list[dict[str, Any]], key: str) -> dict[str, Any]
     return {n: _merge_bands([h[n] for h in have if n in h]) for n in names}
 
 
+def start_identity(report: dict[str, Any]) -> Any:
+    """What makes two reports' starting models the same: a warm start's record (source model, recipe, and its epoch
+    losses, which a remade warm start reproduces to the last digit) wherever its folder was; else the model path."""
+    sm = report.get("start_model") or {}
+    return ("warmstart", json.dumps(sm["warmstart"], sort_keys=True)) if sm.get("warmstart") else ("path", sm.get("path"))
+
+
 def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
     """One report from study reports that differ only in their seeds (same env, preset, held-out tasks and base
     model outcome): pooled success and intervals over every seed's episodes, the paired comparisons on the
@@ -534,7 +541,7 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
         for key in ("env", "preset", "eval_n"):
             if r[key] != first[key]:
                 raise SystemExit(f"--merge: reports differ in {key}: {first[key]!r} vs {r[key]!r}")
-        if (r.get("start_model") or {}).get("path") != (first.get("start_model") or {}).get("path"):
+        if start_identity(r) != start_identity(first):
             raise SystemExit("--merge: the reports started from different models")
         if abs(r["base"]["heldout_success"] - first["base"]["heldout_success"]) > 1e-12:
             raise SystemExit("--merge: the base model scored differently: not the same held-out tasks")
