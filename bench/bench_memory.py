@@ -33,6 +33,24 @@ sys.path.insert(0, str(ROOT))
 GiB = 2**30
 
 
+def tree_rss(root) -> list[int]:
+    """RSS of ``root`` (a psutil.Process) and of each process under it, root first; processes that end while read
+    are left out ([] when the root itself is gone)."""
+    import psutil
+
+    try:
+        procs = [root] + root.children(recursive=True)
+    except psutil.Error:
+        return []
+    rss = []
+    for q in procs:
+        try:
+            rss.append(q.memory_info().rss)
+        except psutil.Error:
+            pass
+    return rss
+
+
 class TreeSampler:
     """RSS of this process and of the tree under it, sampled every ``every_s``; ``mark`` starts a stage."""
 
@@ -48,16 +66,8 @@ class TreeSampler:
         self._thread.start()
 
     def now(self) -> tuple[int, int]:
-        import psutil
-
-        own = self.me.memory_info().rss
-        tree = own
-        for c in self.me.children(recursive=True):
-            try:
-                tree += c.memory_info().rss
-            except psutil.Error:
-                pass
-        return own, tree
+        rss = tree_rss(self.me)
+        return rss[0], sum(rss)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -102,18 +112,10 @@ def run_demo(a) -> None:
 
     def sample() -> None:
         while not done.is_set():
-            try:
-                procs = [proc] + proc.children(recursive=True)
-            except psutil.Error:
+            rss = tree_rss(proc)
+            if not rss:
                 break
-            rss = []
-            for q in procs:
-                try:
-                    rss.append(q.memory_info().rss)
-                except psutil.Error:
-                    pass
-            if rss:
-                samples.append((time.time() - t0, sum(rss), max(rss)))
+            samples.append((time.time() - t0, sum(rss), max(rss)))
             time.sleep(0.02)
 
     th = threading.Thread(target=sample, daemon=True)
@@ -128,6 +130,8 @@ def run_demo(a) -> None:
             if a.echo:
                 print(line, flush=True)
     rc = child.wait()
+    if log is not None:
+        log.close()
     done.set()
     th.join()
     wall = time.time() - t0

@@ -5,8 +5,8 @@ glibc's allocator keeps what a process frees in its heaps for reuse: torch tenso
 its mmap threshold has risen, and after a phase's learner is closed, or an update's activations are freed, those
 pages stay resident. Measured on a multistep study arm in its third phase: 11.8 GB resident before
 ``malloc_trim(0)``, 7.5 GB after, the same live tensors (4.3 GB of free heap pages held). ``trim_heap`` hands the
-free pages back; the pipeline calls it after each update, each evaluation and each closed session. A no-op where
-the C library is not glibc (macOS, musl).
+free pages back; the pipeline calls it after each update and each closed session (every evaluation closes its
+session). A no-op where the C library is not glibc (macOS, musl).
 """
 
 from __future__ import annotations

@@ -359,8 +359,6 @@ def evaluate_ids(key: str, urls: list[str], task_ids: list[int], turn_limit: int
     trajs, m = _rollout(s, urls, task_ids, 1, turn_limit, 0.0, max_new_tokens, "eval")
     if episodes_path:
         write_rollout_parquet(trajs, Path(episodes_path), phase=0, step=0)
-    del trajs
-    trim_heap()
     return {"success_rate": m["success_rate"], "mean_reward": m["mean_reward"], "mean_turns": m["mean_turns"],
             "episodes": m["episodes"], "masked_episodes": m["masked_episodes"]}
 

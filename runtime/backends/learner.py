@@ -289,19 +289,17 @@ class TorchLearner:
         ids, att, need = self._dev(ids), self._dev(att), self._dev(need)
         core = getattr(model, "module", model)  # unwrap engine wrappers (DeepSpeed)
         fast = need is not None and not any(getattr(core.config, a, None) for a in _LOGIT_POSTPROCESSING)
-        head = core.get_output_embeddings() if fast else None
-        if fast and self.cfg.logprob_chunk and getattr(head, "bias", None) is None:
-            sel = need[:, 1:].bool()  # the token at t is predicted from the hidden state at t - 1
-            with self._autocast():
-                h = self._hidden(core, ids, att, need, groups)
-            dtype = torch.bfloat16 if self.cfg.bf16_autocast else None
-            tok, ent = chunked_token_logprobs(h[sel], head.weight, ids[:, 1:][sel], self.cfg.temperature,
-                                              self.cfg.logprob_chunk, with_entropy, dtype)
-            return self._scatter_rows(tok, ent, sel, ids.shape)
         if fast:
             sel = need[:, 1:].bool()  # the token at t is predicted from the hidden state at t - 1
+            head = core.get_output_embeddings()
             with self._autocast():
                 h = self._hidden(core, ids, att, need, groups)
+            if self.cfg.logprob_chunk and getattr(head, "bias", None) is None:  # a chunk of positions at a time
+                dtype = torch.bfloat16 if self.cfg.bf16_autocast else None
+                tok, ent = chunked_token_logprobs(h[sel], head.weight, ids[:, 1:][sel], self.cfg.temperature,
+                                                  self.cfg.logprob_chunk, with_entropy, dtype)
+                return self._scatter_rows(tok, ent, sel, ids.shape)
+            with self._autocast():
                 logits = head(h[sel])
             logits = logits.float()
         else:
