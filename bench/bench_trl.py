@@ -2,11 +2,14 @@
 
     pip install -e '.[bench]'        # trl==1.16.0 (optional; not installed by infra/install.sh)
     python bench/bench_trl.py [--steps 3] [--only ours,ours-in-process,trl] [--engine vllm|transformers]
+                              [--optimizer adamw|adamw8bit]
 
 Workload (both sides): SmolLM2-135M-Instruct; per step 8 prompts x 4 generations (temperature 1.0,
 <= 64 new tokens), prompts are BabyAI first-turn chat prompts (~250 tokens); reward 1 when the reply names
 an action the observation offers (the BabyAI parser), else 0; group-normalised advantages; one optimizer step
-over the 32 sequences (4 micro-batches of 8), AdamW lr 1e-6, KL to the frozen initial model 0.001.
+over the 32 sequences (4 micro-batches of 8), AdamW lr 1e-6, KL to the frozen initial model 0.001. With
+``--optimizer adamw8bit`` both sides take bitsandbytes' 8-bit AdamW (ours ``algo.optimizer=adamw8bit``, TRL
+``optim="adamw_bnb_8bit"``).
 Precision follows the hardware on both sides (bf16 autocast where bf16 is native, fp32 elsewhere).
 
 Each side runs in its own child process; the parent samples the RSS of the child's whole process tree (our
@@ -34,6 +37,7 @@ LEVELS = "GoToObj,GoToRedBallGrey,GoToLocal"
 PROMPTS, GENS, NEW_TOKENS, MICRO = 8, 4, 64, 8
 MAX_LEN = 512  # our engine's max sequence length: prompt + reply
 LR, KL = 1e-6, 0.001
+OPTIMIZER = os.environ.get("BENCH_TRL_OPTIMIZER", "adamw")  # --optimizer, read by the child processes
 # the sides: ours with the vLLM engine in its own processes (the default) or inside the trainer's process
 # (rollout.vllm_in_process), and TRL
 SIDES = ("ours", "ours-in-process", "trl")
@@ -82,9 +86,9 @@ def run_ours(steps: int, engine: str, in_process: bool = False) -> dict:
     chat = ChatFormat.from_tokenizer(tok)
     bf16 = resolve_bf16(None)
     learner = TorchLearner(path, LearnerConfig(lr=LR, kl_coef=KL, micro_batch_size=MICRO, bf16_autocast=bf16,
-                                               temperature=1.0), reference_path=path)
+                                               temperature=1.0, optimizer=OPTIMIZER), reference_path=path)
     if engine == "vllm":
-        from runtime.backends.vllm_backend import VLLMBackend, export_fn, named_weights_fn
+        from runtime.backends.vllm_backend import VLLMBackend, export_fn, is_cpu_build, named_weights_fn
 
         from core.kvcache import GiB, plan_kv_cache
         from runtime.backends.vllm_backend import model_kv_bytes_per_token
@@ -99,7 +103,7 @@ def run_ours(steps: int, engine: str, in_process: bool = False) -> dict:
                               max_model_len=MAX_LEN, seed=0, kv_cache_gb=plan.cache_bytes / GiB,
                               export_weights=export_fn(learner),
                               named_weights=named_weights_fn(learner) if memory else None,
-                              in_process=in_process)
+                              in_process=in_process, release_kv=is_cpu_build())  # as the product: rollout.vllm_release_kv
     else:
         backend = TransformersBackend(learner.model, tok.eos_token_id, tok.eos_token_id, 32, bf16)
     data = babyai_prompts(PROMPTS * steps)
@@ -124,6 +128,8 @@ def run_ours(steps: int, engine: str, in_process: bool = False) -> dict:
         prepared = learner.prepare(trajs)
         t2 = time.time()
         advs, _, _ = trajectory_advantages("grpo", EstimatorParams(kl_coef=KL), trajs)
+        if hasattr(backend, "sleep"):  # as the product's update task: the engine's KV cache is released meanwhile
+            backend.sleep()
         learner.update(trajs, advs, prepared=prepared)
         t3 = time.time()
         backend.sync_weights()
@@ -191,7 +197,8 @@ def run_trl(steps: int) -> dict:
                          max_completion_length=NEW_TOKENS, learning_rate=LR, beta=KL, temperature=1.0,
                          bf16=bf16, use_cpu=True, max_steps=steps, logging_steps=1, report_to="none",
                          save_strategy="no", shuffle_dataset=False, seed=0, dataloader_num_workers=0,
-                         lr_scheduler_type="constant", warmup_steps=0)
+                         lr_scheduler_type="constant", warmup_steps=0,
+                         **({"optim": "adamw_bnb_8bit"} if OPTIMIZER == "adamw8bit" else {}))
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=cfg, train_dataset=ds, processing_class=tok,
                               callbacks=[Timer()])
@@ -250,11 +257,15 @@ def main() -> None:
     ap.add_argument("--engine", choices=["vllm", "transformers"], default="vllm", help="our generation backend")
     ap.add_argument("--sync", choices=["memory", "disk"], default=None,
                     help="vLLM weight sync: in memory (default) or through an HF folder (the old path)")
+    ap.add_argument("--optimizer", choices=["adamw", "adamw8bit"], default=None,
+                    help="both sides' optimizer: torch AdamW (default) or bitsandbytes' 8-bit AdamW")
     ap.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.sync:  # read by the "ours" child process
         os.environ["BENCH_TRL_SYNC"] = a.sync
+    if a.optimizer:  # read by both child processes
+        os.environ["BENCH_TRL_OPTIMIZER"] = a.optimizer
     if a.steps < 2:
         ap.error("--steps must be >= 2 (the first step is warm-up)")
     if a.worker:
@@ -293,7 +304,8 @@ def main() -> None:
     res = ROOT / "bench" / "results" / f"trl-{time.strftime('%Y%m%d-%H%M%S')}.json"
     res.parent.mkdir(parents=True, exist_ok=True)
     res.write_text(json.dumps({"workload": {"prompts": PROMPTS, "generations": GENS, "max_new_tokens": NEW_TOKENS,
-                                            "micro_batch": MICRO, "lr": LR, "kl": KL}, "rows": rows}, indent=2))
+                                            "micro_batch": MICRO, "lr": LR, "kl": KL,
+                                            "optimizer": a.optimizer or "adamw"}, "rows": rows}, indent=2))
     print(f"wrote {res}")
 
 

@@ -139,7 +139,8 @@ class RolloutConfig(_Strict):
     vllm_kv_budget_gb: float = Field(
         1.0, gt=0, description="vLLM CPU: the most memory (GiB) the KV cache sized from the batch may take; when "
                                "the batch needs more, live episodes are capped to what fits (a warning says so). "
-                               "The cache is resident whole once the engine starts. 1 GiB holds 29 episodes of "
+                               "The cache is resident whole once the engine starts (and again after each update only as far as a "
+                               "rollout fills it: vllm_release_kv). 1 GiB holds 29 episodes of "
                                "1,536 tokens in bf16 (SmolLM2-135M): on 2 CPU cores more live episodes generate "
                                "no faster (the smoke demo with 17 was 4 % faster than with 60).")
     vllm_in_process: bool | None = Field(
@@ -147,6 +148,11 @@ class RolloutConfig(_Strict):
                           "worker process: ~1 GiB less memory on the smoke run, a faster engine start) instead of "
                           "child processes. Needs the torch learner (the worker sets up its own torch.distributed "
                           "group). None: in-process on the CPU build with the torch learner, else child processes.")
+    vllm_release_kv: bool = Field(
+        True, description="vLLM CPU build: the KV cache's memory goes back to the OS while the learner updates and "
+                          "comes back page by page as the next rollout fills it (the CPU build has no sleep mode; "
+                          "1 GiB less resident during the update at the default budget, and only the blocks a "
+                          "rollout uses resident after it). Ignored on GPUs (see vllm_sleep).")
     gpu_memory_utilization: float = Field(
         0.3, gt=0, le=1, description="vLLM on a GPU: the fraction of each GPU's memory the engine may take (weights, "
                                      "activations, KV cache); the learner uses the rest when they share the GPU. "
@@ -207,6 +213,11 @@ class AlgoConfig(_Strict):
                             "advantage plus a step advantage among the group's turns from the same observation).")
     lr: float = Field(1e-6, ge=0, description="AdamW learning rate of the policy.")
     weight_decay: float = Field(0.0, ge=0)
+    optimizer: Literal["adamw", "adamw8bit"] = Field(
+        "adamw", description="The policy's optimizer: adamw (torch, fp32 moments: 8 bytes per parameter, 1 GiB for "
+                             "SmolLM2-135M) or adamw8bit (bitsandbytes' block-wise 8-bit AdamW: 2 bytes per "
+                             "parameter, 0.25 GiB; its optimizer step is ~1 s slower on 2 CPU cores; the torch learner "
+                             "only).")
     kl_coef: float = Field(0.001, ge=0, description="KL to the frozen reference (0 = no reference): a k3 loss "
                                                     "term, or a reward penalty for reinforce++.")
     clip: float = Field(0.2, gt=0, lt=1, description="PPO ratio clip.")
@@ -246,6 +257,11 @@ class AlgoConfig(_Strict):
                              "activations in the backward pass (less update memory, ~1/3 more update FLOPs at N=1; "
                              "the shared-prompt forward is then off for the policy: transformers drops the cache in "
                              "checkpointed layers). 0: off.")
+    activation_checkpointing_min_tokens: int = Field(
+        0, ge=0, description="> 0: only micro-batches of at least this many padded tokens run checkpointed (every "
+                             "activation_checkpointing-th layer, every layer when that is 0): the long episodes, whose "
+                             "activations set the update's peak memory, pay the recompute; the short ones keep their "
+                             "activations and their shared-prompt forward. 0: as activation_checkpointing says.")
 
     @model_validator(mode="after")
     def _estimator_options(self):
@@ -377,6 +393,9 @@ class RunConfig(_Strict):
                 "set it to 2 or more"
             )
         ln = self.learner
+        if ln.engine == "deepspeed" and self.algo.optimizer != "adamw":
+            raise ValueError(f"algo.optimizer={self.algo.optimizer} is the torch learner's: DeepSpeed builds its own "
+                             "AdamW (set algo.optimizer=adamw, or learner.engine=torch)")
         if ln.engine == "torch" and (ln.ranks > 1 or ln.offload_optimizer or ln.config_path):
             raise ValueError("learner.ranks / offload_optimizer / config_path need learner.engine=deepspeed")
         if ln.engine == "deepspeed" and (ln.ranks > 1 or ln.zero_stage == 3) and self.rollout.backend != "vllm":

@@ -7,7 +7,8 @@ Three questions, each answered from the config and the model's ``config.json`` b
   k turns, the k + 1 replies a turn's sample can hold must fit the token budget;
 - **KV cache**: ``core.kvcache.plan_kv_cache`` for the run's largest batch (what the engine will be given, and
   how many episodes run at once);
-- **memory**: a rough lower bound of the trainer's resident memory (weights, gradients and Adam state in fp32,
+- **memory**: a rough lower bound of the trainer's resident memory (weights and gradients in fp32, Adam state (fp32,
+  or 8-bit with algo.optimizer=adamw8bit),
   the reference and critic copies, the engine's weights and KV cache, activations of one micro-batch, the
   runtime), against the machine's memory.
 
@@ -70,6 +71,7 @@ class RunShape:
     reference: bool  # a frozen reference model (kl_coef > 0)
     critic: bool  # PPO's critic
     vllm: bool  # a vLLM engine (else transformers generation on the learner's model)
+    optimizer_bytes_per_param: int = 8  # AdamW's two fp32 moments; 2 for the 8-bit AdamW (algo.optimizer)
 
 
 @dataclass
@@ -126,7 +128,7 @@ def check_run(m: ModelShape, r: RunShape, machine_bytes: int | None, model_name:
                                                              "rollout.vllm_kv_budget_gb for more)" if kv.capped else
                                                              "; all live at once"))
     # memory
-    learner = 16 * m.params  # fp32 weights, gradients, Adam's two moments
+    learner = (8 + r.optimizer_bytes_per_param) * m.params  # fp32 weights and gradients, Adam's two moments
     extra = (4 * m.params if r.reference else 0) + (16 * m.params if r.critic else 0)
     engine = r.engine_bytes_per_elem * m.params + kv_bytes if r.vllm else 0
     tokens = r.micro_batch_tokens or r.micro_batch_size * r.token_budget

@@ -46,7 +46,8 @@ def run_shape(cfg: RunConfig) -> RunShape:
                     kv_fixed_bytes=None if r.vllm_kv_cache_gb is None else int(r.vllm_kv_cache_gb * GiB),
                     engine_bytes_per_elem=4 if resolve_vllm_dtype(r.vllm_dtype) == "float32" else 2,
                     micro_batch_tokens=a.micro_batch_tokens, micro_batch_size=a.micro_batch_size,
-                    reference=a.kl_coef > 0, critic=a.estimator == "ppo", vllm=r.backend == "vllm")
+                    reference=a.kl_coef > 0, critic=a.estimator == "ppo", vllm=r.backend == "vllm",
+                    optimizer_bytes_per_param=2 if a.optimizer == "adamw8bit" else 8)
 
 
 def dry_run(cfg: RunConfig) -> Plan:

@@ -162,6 +162,8 @@ def test_presets_and_overrides():
     (["novalue"], "key=value"),
     (["rollout.vllm_in_process=true", "learner.engine=deepspeed"], "learner.engine=torch"),
     (["rollout.vllm_in_process=true", "rollout.backend=transformers"], "rollout.backend=vllm"),
+    (["learner.engine=deepspeed", "algo.optimizer=adamw8bit"], "algo.optimizer=adamw"),
+    (["algo.optimizer=sgd"], "algo.optimizer"),
 ])
 def test_bad_config_says_how_to_fix(bad, needle):
     with pytest.raises(ConfigError, match=needle):

@@ -128,20 +128,21 @@ class _FakeLLM:
 
     def collective_rpc(self, method, args=(), kwargs=None):
         self.calls.append(("rpc", method, "weights" in self.asleep))
-        return [None]
+        return [123 if method == "release_kv_cache" else None]
 
     def reset_prefix_cache(self, *a, **k):
         self.calls.append(("reset_prefix_cache",))
         return True
 
 
-def _fake_backend(sleep_mode: bool):
+def _fake_backend(sleep_mode: bool, release_kv: bool = False):
     import torch
 
     from runtime.backends.vllm_backend import VLLMBackend
 
     b = VLLMBackend.__new__(VLLMBackend)  # no engine: the fake LLM stands in for vllm.LLM
     b._llm, b.sleep_mode, b._asleep_tags, b.sleeps = _FakeLLM(), sleep_mode, set(), 0
+    b.release_kv = release_kv
     b.dtype, b.transport, b._shm, b.syncs, b.export_weights = "float32", "rpc", None, 0, None
     w = torch.nn.Linear(2, 2)
     b.named_weights = lambda: w.named_parameters()
@@ -167,6 +168,21 @@ def test_without_sleep_mode_nothing_sleeps():
     assert b.sleep() is False and not b.asleep
     b.sync_weights()
     assert [c[0] for c in b._llm.calls] == ["rpc", "reset_prefix_cache"]
+
+
+def test_cpu_release_kv_frees_the_cache_for_the_update_and_restores_it_after_the_sync():
+    """The CPU build's stand-in for sleep mode (``release_kv``): the worker releases its KV cache before the update;
+    the sync loads the weights, then the cache comes back and its stale prefix blocks are forgotten."""
+    b = _fake_backend(sleep_mode=False, release_kv=True)
+    assert b.sleep() is True and b.asleep and b.kv_released_bytes == 123 and b.sleep() is False
+    b.sync_weights()
+    names = [c[1] if c[0] == "rpc" else c[0] for c in b._llm.calls]
+    assert names == ["release_kv_cache", "load_named_tensors", "reset_prefix_cache", "restore_kv_cache",
+                     "reset_prefix_cache"]
+    assert not b.asleep and b.syncs == 1 and b.sleeps == 1
+    b.sleep()
+    b.wake()  # generation wakes it too
+    assert [c[1] for c in b._llm.calls[-3:-1]] == ["release_kv_cache", "restore_kv_cache"] and not b.asleep
 
 
 def test_a_sleeping_engine_wakes_for_generation():

@@ -351,3 +351,91 @@ def test_activation_checkpointing_gives_the_same_update(tiny_model_dir):
         loss, g = runs[every]
         assert loss == pytest.approx(loss0, rel=1e-5, abs=1e-7)
         assert all(torch.allclose(g[k], g0[k], atol=1e-5, rtol=1e-4) for k in g0), every
+
+
+def _param_deltas(learner, start: dict) -> torch.Tensor:
+    return torch.cat([(p.detach() - start[n]).flatten() for n, p in learner.model.named_parameters()])
+
+
+def test_adamw8bit_tracks_adamw_with_a_quarter_of_its_state(tiny_model_dir, tmp_path):
+    """``algo.optimizer=adamw8bit`` (bitsandbytes): over four updates the weights move as torch's AdamW moves them
+    (cosine of the two weight changes > 0.98, norms within 10 %) while its moments take under 30 % of the bytes;
+    a checkpoint written mid-run resumes it exactly (the next update equals the uninterrupted one), and a learner
+    with the other optimizer refuses that checkpoint."""
+    pytest.importorskip("bitsandbytes")
+    trajs, advs = None, None
+    moved, state_bytes = {}, {}
+    for opt in ("adamw", "adamw8bit"):
+        torch.manual_seed(0)
+        learner = TorchLearner(tiny_model_dir, LearnerConfig(lr=1e-3, kl_coef=0.0, micro_batch_size=8,
+                                                             bf16_autocast=False, optimizer=opt))
+        if trajs is None:
+            trajs, advs = _fixed_batch(learner.tokenizer)
+        start = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
+        for _ in range(4):
+            learner.update(trajs, advs, prepared=learner.prepare(trajs))
+        moved[opt] = _param_deltas(learner, start)
+        state_bytes[opt] = sum(t.nbytes for st in learner.opt.state.values() for t in st.values()
+                               if torch.is_tensor(t))
+        if opt == "adamw8bit":
+            last = learner
+    a, b = moved["adamw"], moved["adamw8bit"]
+    cos = float(torch.dot(a, b) / (a.norm() * b.norm()))
+    assert cos > 0.98 and abs(float(b.norm() / a.norm()) - 1) < 0.1, (cos, float(b.norm() / a.norm()))
+    assert state_bytes["adamw8bit"] < 0.3 * state_bytes["adamw"], state_bytes
+    # exact resume: a learner loaded from the checkpoint takes the same next step
+    last.save(tmp_path / "ckpt", {"step": 4})
+    resumed = TorchLearner(tiny_model_dir, LearnerConfig(lr=1e-3, kl_coef=0.0, micro_batch_size=8,
+                                                         bf16_autocast=False, optimizer="adamw8bit"))
+    resumed.load_training_state(tmp_path / "ckpt")
+    for lr in (last, resumed):
+        lr.update(trajs, advs, prepared=lr.prepare(trajs))
+    for (n, p), (_, q) in zip(last.model.named_parameters(), resumed.model.named_parameters()):
+        assert torch.equal(p, q), n
+    other = TorchLearner(tiny_model_dir, LearnerConfig(lr=1e-3, kl_coef=0.0, bf16_autocast=False))
+    with pytest.raises(ValueError, match="algo.optimizer=adamw8bit"):
+        other.load_training_state(tmp_path / "ckpt")
+
+
+def test_adamw8bit_learns_the_two_turn_task(tiny_model_dir, monkeypatch):
+    """The learning check of the 8-bit optimizer: GRPO with it learns what it learns with torch's AdamW."""
+    pytest.importorskip("bitsandbytes")
+    real = LearnerConfig.__init__
+
+    def with_8bit(self, *a, **k):
+        real(self, *a, **k)
+        self.optimizer = "adamw8bit"
+
+    monkeypatch.setattr(LearnerConfig, "__init__", with_8bit)
+    rates = train(tiny_model_dir, "grpo", LR["grpo"])
+    assert learned(rates), f"grpo with adamw8bit did not learn: success per step {rates}"
+
+
+def test_activation_checkpointing_above_a_token_threshold_only(tiny_model_dir):
+    """``activation_checkpointing_min_tokens``: the micro-batch of 4 sequences (over the threshold) runs its layers
+    checkpointed, the one of 2 (under it) keeps its activations; the update equals the plain one (fp32, 1e-5)."""
+    runs = {}
+    for threshold in (0, None):
+        cfg = LearnerConfig(lr=1e-2, kl_coef=0.0, micro_batch_size=4, bf16_autocast=False)
+        probe = TorchLearner(tiny_model_dir, cfg)
+        trajs, advs = _fixed_batch(probe.tokenizer)  # 6 sequences of one length: micro-batches of 4 and 2
+        T = max(len(t.token_ids) for t in trajs)
+        if threshold is None:
+            cfg.activation_checkpointing_min_tokens = 3 * T
+        learner = TorchLearner(tiny_model_dir, cfg)
+        calls = []
+        for i, m in enumerate(learner._ckpt_layers):
+            real = m._gradient_checkpointing_func
+            m._gradient_checkpointing_func = (lambda *a, _r=real, _i=i, **k: (calls.append(_i), _r(*a, **k))[1])
+        grads = {}
+        real_step = learner._step
+        learner._step = lambda: (grads.update({k: p.grad.clone() for k, p in learner.model.named_parameters()}),
+                                 real_step())[1]
+        st = learner.update(trajs, advs, prepared=learner.prepare(trajs))
+        runs[threshold] = (st["loss"], grads, calls, len(learner.model.model.layers))
+    loss0, g0, calls0, _ = runs[0]
+    loss, g, calls, n_layers = runs[None]
+    assert calls0 == []  # off: nothing checkpointed
+    assert len(calls) == len(set(calls)) == n_layers  # each decoder layer once: the micro-batch of 4 only
+    assert loss == pytest.approx(loss0, rel=1e-5, abs=1e-7)
+    assert all(torch.allclose(g[k], g0[k], atol=1e-5, rtol=1e-4) for k in g0)

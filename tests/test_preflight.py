@@ -59,6 +59,8 @@ def test_kv_and_memory_plans():
     acts = 2048 * (30 * 576 * 34 + 49152 * 12)
     expect = 16 * m.params + 2 * m.params + 2 * GiB + acts + int(1.5 * GiB)
     assert p.memory_bytes == expect
+    eight = check_run(m, shape(episodes=96, optimizer_bytes_per_param=2), 24 * GiB)  # algo.optimizer=adamw8bit
+    assert p.memory_bytes - eight.memory_bytes == 6 * m.params
     small = check_run(m, shape(), 4 * GiB)
     assert "more than this machine's 4.0 GiB" in small.errors[0]
     one = check_run(m, shape(token_budget=8000, kv_budget_bytes=GiB // 8), None)

@@ -65,9 +65,46 @@ def test_engine_in_process_is_auto_on_cpu_with_the_torch_learner():
     assert vb.engine_in_process(build_config("babyai", "smoke")) == cpu
     assert vb.engine_in_process(build_config("babyai", "smoke", ["rollout.vllm_in_process=false"])) is False
     assert vb.engine_in_process(build_config("babyai", "smoke", ["rollout.vllm_in_process=true"])) is True
-    assert vb.engine_in_process(build_config("babyai", "smoke", ["learner.engine=deepspeed"])) is False
+    assert vb.engine_in_process(build_config("babyai", "smoke", ["learner.engine=deepspeed",
+                                                                             "algo.optimizer=adamw"])) is False
     s = vb.engine_settings(build_config("babyai", "smoke", ["rollout.vllm_in_process=false"]), ".", 0, 1)
     assert s["in_process"] is False  # part of what defines an engine: a change replaces the kept one
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm not installed")
+def test_cpu_engine_releases_its_kv_cache_and_generates_the_same_after():
+    """``release_kv`` on the real CPU engine (in this process): ``sleep`` hands the KV cache's pages back to the OS
+    (this process's resident memory falls by about its size), generation wakes it, and greedy outputs equal the
+    ones before (the released blocks come back uninitialised; the prefix cache is forgotten)."""
+    from runtime.backends import vllm_backend as vb
+    from runtime.backends.model import resolve_model
+
+    if not vb.is_cpu_build():
+        pytest.skip("the CUDA build has sleep mode instead")
+    import psutil
+    import torch
+    from transformers import AutoTokenizer
+
+    path = resolve_model("smollm2-135m")
+    tok = AutoTokenizer.from_pretrained(path)
+    threads = torch.get_num_threads()
+    prompts = [tok.encode(f"Question {i}: what colour is the ball in room {i}? Answer:") for i in range(6)]
+    greedy = SamplingParams(12, 0.0)
+    kv_gb = 0.5
+    with vb.VLLMBackend(path, tok.eos_token_id, dtype="bfloat16" if native_bf16() else "float32",
+                        max_model_len=512, kv_cache_gb=kv_gb, in_process=True, release_kv=True) as engine:
+        first = [g.token_ids for g in engine.generate(prompts, greedy)]
+        rss = psutil.Process().memory_info().rss
+        assert engine.sleep() is True and engine.asleep
+        assert engine.kv_released_bytes >= 0.95 * kv_gb * 2**30
+        dropped = rss - psutil.Process().memory_info().rss
+        assert dropped > 0.8 * kv_gb * 2**30, f"resident memory fell by {dropped / 2**30:.2f} GiB only"
+        again = [g.token_ids for g in engine.generate(prompts, greedy)]  # wakes the cache
+        assert not engine.asleep and again == first
+        engine.sleep()
+        engine.wake()
+        assert [g.token_ids for g in engine.generate(prompts, greedy)] == first
+    torch.set_num_threads(threads)
 
 
 def _fixed_sequence(tok):

@@ -31,6 +31,7 @@ from runtime.backends.safe_load import load_plain
 class LearnerConfig:
     lr: float = 1e-6
     weight_decay: float = 0.0
+    optimizer: str = "adamw"  # or "adamw8bit" (bitsandbytes): make_optimizer
     kl_coef: float = 0.001
     clip: float = 0.2
     grad_clip: float = 1.0
@@ -50,6 +51,7 @@ class LearnerConfig:
     min_shared_prefix: int = 16
     logprob_chunk: int = 512  # policy positions projected onto the vocabulary at once (0: all at once)
     activation_checkpointing: int = 0  # N > 0: every N-th decoder layer recomputes its activations in the backward
+    activation_checkpointing_min_tokens: int = 0  # > 0: only micro-batches of at least this many padded tokens do
     device: str = "auto"  # model.device: auto (CUDA when available, else CPU), cpu, cuda, cuda:N
 
     @classmethod
@@ -189,6 +191,28 @@ class Learner(Protocol):
     def load_training_state(self, directory: Path, weights: bool = True) -> dict[str, Any]: ...
 
 
+def make_optimizer(params, name: str, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """The policy's optimizer (``algo.optimizer``): ``adamw`` (torch; fp32 first and second moments) or ``adamw8bit``
+    (bitsandbytes: both moments block-wise quantised to 8 bits, tensors under 4,096 elements in fp32; the same
+    AdamW update, read from and written back to the quantised state)."""
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    if name == "adamw8bit":
+        import logging
+
+        quiet = logging.getLogger("bitsandbytes")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)  # its import warns about optional 4-bit GEMM kernels this learner never uses
+        try:
+            import bitsandbytes as bnb
+        except ImportError as e:
+            raise RuntimeError("algo.optimizer=adamw8bit needs bitsandbytes: pip install 'bitsandbytes>=0.48'") from e
+        finally:
+            quiet.setLevel(level)
+        return bnb.optim.AdamW8bit(params, lr=lr, weight_decay=weight_decay)
+    raise ValueError(f"unknown optimizer {name!r}: adamw or adamw8bit")
+
+
 class TorchLearner:
     def __init__(self, model_path: str, cfg: LearnerConfig, reference_path: str | None = None):
         from transformers import AutoTokenizer
@@ -200,9 +224,12 @@ class TorchLearner:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = load_causal_lm(model_path, self.device)
         self.model.config.use_cache = False
-        if cfg.activation_checkpointing:
+        every = cfg.activation_checkpointing or (1 if cfg.activation_checkpointing_min_tokens else 0)
+        if every:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False},
-                                                     every_n_layers=cfg.activation_checkpointing)
+                                                     every_n_layers=every)
+        # the checkpointed layers: with a token threshold, switched on and off per micro-batch (_checkpoint_for)
+        self._ckpt_layers = [m for m in self.model.modules() if getattr(m, "gradient_checkpointing", False)]
         self.model.train()
         self.ref = None
         if cfg.kl_coef > 0:
@@ -210,7 +237,7 @@ class TorchLearner:
             self.ref.eval()
             for p in self.ref.parameters():
                 p.requires_grad_(False)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.opt = make_optimizer(self.model.parameters(), cfg.optimizer, cfg.lr, cfg.weight_decay)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.critic = None
         if cfg.critic:
@@ -472,6 +499,16 @@ class TorchLearner:
             return [0.0] * len(n_pol)
         return sequence_weights(n_pol, self.cfg.loss_agg, totals=totals, ranks=self._data_parallel_ranks())
 
+    def _checkpoint_for(self, padded_tokens: int) -> None:
+        """With ``activation_checkpointing_min_tokens``: the checkpointed layers recompute their activations for
+        this forward only when it runs at least that many padded tokens (the long episodes whose activations set the
+        update's peak memory; the short ones keep theirs, and their shared-prompt forward)."""
+        threshold = self.cfg.activation_checkpointing_min_tokens
+        if threshold and self._ckpt_layers:
+            on = padded_tokens >= threshold
+            for m in self._ckpt_layers:
+                m.gradient_checkpointing = on
+
     def _train_micro_batch(self, batch: "_UpdateBatch", ks: list[int], w_seq: list[float],
                            tally: "_UpdateTally") -> None:
         """Forward and backward of the micro-batch ``ks`` (positions in ``Prepared.live``; ``w_seq`` their
@@ -483,6 +520,7 @@ class TorchLearner:
         weights = mask * self._dev(torch.tensor(w_seq))[:, None]
         adv = self._dev(pad_rows([batch.advantages[p.live[k]] for k in ks], T))
         ref_t = self._dev(pad_rows([p.ref[k] for k in ks], T)) if p.ref is not None and batch.kl_coef else None
+        self._checkpoint_for(ids.numel())
         logp, ent = self._token_logp(self.model, ids, att, with_entropy=True, need=mask.bool(),
                                      groups=[batch.traj(k).group_id for k in ks])
         if batch.own_old:
@@ -565,6 +603,7 @@ class TorchLearner:
                         idx = batch[s:e]
                         ids, att = self._pad([trajs[i].token_ids for i in idx])
                         mask = self._dev(pad_rows([trajs[i].loss_mask for i in idx], ids.shape[1]))
+                        self._checkpoint_for(ids.numel())
                         logp, _ = self._token_logp(self.model, ids, att, need=mask.bool())
                         loss, st = nll_loss(logp, mask, denom)
                         self._backward(loss)
@@ -627,8 +666,8 @@ class TorchLearner:
             names[id(p)]: self.opt.state[p] for g in self.opt.param_groups for p in g["params"] if p in self.opt.state
         }
         torch.save({"state": opt_state, "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                                                         for g in self.opt.param_groups]},
-                   directory / "optimizer.pt")
+                                                         for g in self.opt.param_groups],
+                    "optimizer": self.cfg.optimizer}, directory / "optimizer.pt")
         torch.save(rng_state(self.device), directory / "rng.pt")
         if self.critic is not None:
             self.critic.save(directory)
@@ -644,6 +683,10 @@ class TorchLearner:
         opt_file = directory / "optimizer.pt"
         if opt_file.exists():
             saved = load_plain(opt_file, map_location="cpu")  # a checkpoint is device-free: CPU or GPU made it
+            kind = saved.get("optimizer", "adamw")  # checkpoints before algo.optimizer: torch's AdamW
+            if kind != self.cfg.optimizer:
+                raise ValueError(f"{opt_file} holds {kind} state but this learner's optimizer is "
+                                 f"{self.cfg.optimizer}: resume with algo.optimizer={kind}")
             by_name = dict(self.model.named_parameters())
             for n, st in saved["state"].items():
                 if n in by_name:

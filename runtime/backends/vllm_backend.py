@@ -212,6 +212,31 @@ class WorkerExtension:
             pairs.append((name, flat[offset:offset + nbytes].view(dt).view(tuple(shape))))
         return self._load_pairs(pairs)
 
+    def release_kv_cache(self) -> int:
+        """CPU build: hand the KV cache's memory back to the OS (its storages resized to 0 bytes; the tensors that
+        view them stay, so the attention layers keep their bindings). Returns the bytes released."""
+        from runtime.memory import trim_heap
+
+        kept = getattr(self, "_released_kv", None) or []
+        freed = 0
+        for st in _kv_storages(self.model_runner.kv_caches):
+            n = st.nbytes()
+            if n:
+                kept.append((st, n))
+                st.resize_(0)
+                freed += n
+        self._released_kv = kept
+        trim_heap()
+        return freed
+
+    def restore_kv_cache(self) -> int:
+        """Give the released KV cache its memory back (uninitialised: the caller clears the prefix cache; the pages
+        become resident only as blocks are written). Returns the bytes restored."""
+        kept, self._released_kv = getattr(self, "_released_kv", None) or [], []
+        for st, n in kept:
+            st.resize_(n)
+        return sum(n for _, n in kept)
+
     def refresh_cpu_heads(self) -> int:
         """CPU build: the output head packs a private copy of its weight for its GEMM at load time, and an in-place
         reload does not redo that for a head tied to the input embedding (measured: stale logits after a sync).
@@ -225,6 +250,25 @@ class WorkerExtension:
                 mod.quant_method.process_weights_after_loading(mod)
                 n += 1
         return n
+
+
+def _kv_storages(caches) -> list:
+    """The distinct storages under a model runner's ``kv_caches`` (a list of tensors, possibly nested)."""
+    import torch
+
+    out, seen, todo = [], set(), [caches]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, torch.Tensor):
+            st = x.untyped_storage()
+            if st.data_ptr() not in seen and st.nbytes():
+                seen.add(st.data_ptr())
+                out.append(st)
+        elif isinstance(x, (list, tuple)):
+            todo.extend(x)
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+    return out
 
 
 class VLLMRequests:
@@ -289,6 +333,7 @@ class VLLMBackend:
         gpu_memory_utilization: float = 0.3,
         tensor_parallel_size: int = 1,
         sleep_mode: bool = False,
+        release_kv: bool = False,
         export_weights: Callable[[Path], None] | None = None,
         named_weights: Callable[[], Iterable[tuple[str, Any]]] | None = None,
         transport: str = "shm",
@@ -307,8 +352,11 @@ class VLLMBackend:
         self._llm = None
         self.in_process = bool(in_process)
         self.sleep_mode = bool(sleep_mode)
+        # the CPU build's stand-in for sleep mode: the KV cache's memory goes back to the OS while the learner updates
+        self.release_kv = bool(release_kv) and not self.sleep_mode
         self._asleep_tags: set[str] = set()  # sleep mode: the engine allocations still offloaded / dropped
         self.sleeps = 0
+        self.kv_released_bytes = 0  # release_kv: what the last sleep handed back
         import vllm  # noqa: F401  (fail early with ImportError if missing)
 
         cpu = is_cpu_build()
@@ -422,13 +470,21 @@ class VLLMBackend:
 
     # -- sleep mode (CUDA): the GPU is the learner's during the update ------------------------------------------
     def sleep(self) -> bool:
-        """Sleep mode on: offload the weights to CPU memory and drop the KV cache (``LLM.sleep(level=1)``; the
-        prefix cache is cleared with it) so the learner has the GPU. No request may be in flight. Returns whether
-        the engine went to sleep (False without sleep mode, or already asleep)."""
-        if not self.sleep_mode or self.asleep or self._llm is None:
+        """Free the engine's memory for the update. Sleep mode (CUDA): offload the weights to CPU memory and drop the
+        KV cache (``LLM.sleep(level=1)``; the prefix cache is cleared with it) so the learner has the GPU.
+        ``release_kv`` (the CPU build): the KV cache's pages go back to the OS (1 GiB of resident memory at the
+        default budget) and come back, uninitialised, as the next rollout fills blocks; the weights stay. No request
+        may be in flight. Returns whether the engine went to sleep (False with neither, or already asleep)."""
+        if self.asleep or self._llm is None:
             return False
-        self._llm.sleep(level=1)
-        self._asleep_tags = {"weights", "kv_cache"}
+        if self.sleep_mode:
+            self._llm.sleep(level=1)
+            self._asleep_tags = {"weights", "kv_cache"}
+        elif self.release_kv:
+            self.kv_released_bytes = max(self._llm.collective_rpc("release_kv_cache"))
+            self._asleep_tags = {"kv_cache"}
+        else:
+            return False
         self.sleeps += 1
         return True
 
@@ -443,6 +499,11 @@ class VLLMBackend:
             return
         want = set(self._asleep_tags) if tags is None else set(tags) & self._asleep_tags
         if not want:
+            return
+        if self.release_kv:  # only the KV cache was released: its memory back, its stale prefix blocks forgotten
+            self._llm.collective_rpc("restore_kv_cache")
+            self._llm.reset_prefix_cache()
+            self._asleep_tags.clear()
             return
         fully = self._llm.wake_up(None if tags is None else sorted(want))
         self._asleep_tags -= want
@@ -729,7 +790,7 @@ def engine_settings(cfg, model_dir: str, eos_token_id: int, kv_cache_bytes: int)
             "kv_cache_bytes": int(kv_cache_bytes), "prefix_caching": True,
             "gpu_memory_utilization": float(r.gpu_memory_utilization),
             "tensor_parallel_size": int(r.tensor_parallel_size), "sleep_mode": sleep_mode_for(cfg),
-            "in_process": engine_in_process(cfg)}
+            "release_kv": release_kv_for(cfg), "in_process": engine_in_process(cfg)}
 
 
 def check_gpu_settings(cpu_build: bool, tensor_parallel_size: int, sleep_mode: bool, in_process: bool) -> None:
@@ -761,6 +822,12 @@ def sleep_mode_for(cfg) -> bool:
         return resolve_device(cfg.model.device).type == "cuda"
     except ValueError:  # cuda asked for where there is none: the learner refuses it with the message
         return False
+
+
+def release_kv_for(cfg) -> bool:
+    """Whether a ``RunConfig``'s engine hands its KV cache's memory back while the learner updates: the CPU build
+    (no sleep mode there) unless ``rollout.vllm_release_kv`` is off."""
+    return bool(cfg.rollout.vllm_release_kv) and is_cpu_build() and not sleep_mode_for(cfg)
 
 
 def engine_in_process(cfg) -> bool:
@@ -905,7 +972,7 @@ def _start_engine(cfg, model_dir: str, tokenizer, learner, dtype: str, plan) -> 
                           max_model_len=r.token_budget + 1, seed=cfg.seed, threads=cfg.model.threads,
                           kv_cache_gb=plan.cache_bytes / GiB, gpu_memory_utilization=r.gpu_memory_utilization,
                           tensor_parallel_size=r.tensor_parallel_size, sleep_mode=sleep_mode_for(cfg),
-                          export_weights=export_fn(learner),
+                          release_kv=release_kv_for(cfg), export_weights=export_fn(learner),
                           named_weights=named_weights_fn(learner), in_process=in_process)
     if plan.capped and is_cpu_build():
         backend.max_live_episodes = plan.live_cap
