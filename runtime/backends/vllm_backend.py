@@ -468,7 +468,7 @@ class VLLMBackend:
         self.wake()
         return VLLMRequests(self)
 
-    # -- sleep mode (CUDA): the GPU is the learner's during the update ------------------------------------------
+    # -- sleep mode (CUDA) and KV release (CPU): the memory is the learner's during the update ------------------------
     def sleep(self) -> bool:
         """Free the engine's memory for the update. Sleep mode (CUDA): offload the weights to CPU memory and drop the
         KV cache (``LLM.sleep(level=1)``; the prefix cache is cleared with it) so the learner has the GPU.
