@@ -139,9 +139,9 @@ class RolloutConfig(_Strict):
     vllm_kv_budget_gb: float = Field(
         1.0, gt=0, description="vLLM CPU: the most memory (GiB) the KV cache sized from the batch may take; when "
                                "the batch needs more, live episodes are capped to what fits (a warning says so). "
-                               "The cache is resident whole once the engine starts (and again after each update only as far as a "
-                               "rollout fills it: vllm_release_kv). 1 GiB holds 29 episodes of "
-                               "1,536 tokens in bf16 (SmolLM2-135M): on 2 CPU cores more live episodes generate "
+                               "The cache is resident whole once the engine starts (after each update only as far "
+                               "as a rollout fills it: vllm_release_kv). 1 GiB holds 29 episodes of 1,536 tokens "
+                               "in bf16 (SmolLM2-135M): on 2 CPU cores more live episodes generate "
                                "no faster (the smoke demo with 17 was 4 % faster than with 60).")
     vllm_in_process: bool | None = Field(
         None, description="vLLM: run the engine core and its worker inside the trainer's process (no engine or "
