@@ -139,9 +139,9 @@ class RolloutConfig(_Strict):
     vllm_kv_budget_gb: float = Field(
         1.0, gt=0, description="vLLM CPU: the most memory (GiB) the KV cache sized from the batch may take; when "
                                "the batch needs more, live episodes are capped to what fits (a warning says so). "
-                               "The cache is resident whole once the engine starts (after each update only as far "
-                               "as a rollout fills it: vllm_release_kv). 1 GiB holds 29 episodes of 1,536 tokens "
-                               "in bf16 (SmolLM2-135M): on 2 CPU cores more live episodes generate "
+                               "The cache is resident whole, except during updates (vllm_release_kv). 1 GiB holds "
+                               "29 episodes of 1,536 tokens in bf16 (SmolLM2-135M): on 2 CPU cores more live "
+                               "episodes generate "
                                "no faster (the smoke demo with 17 was 4 % faster than with 60).")
     vllm_in_process: bool | None = Field(
         None, description="vLLM: run the engine core and its worker inside the trainer's process (no engine or "
@@ -150,9 +150,8 @@ class RolloutConfig(_Strict):
                           "group). None: in-process on the CPU build with the torch learner, else child processes.")
     vllm_release_kv: bool = Field(
         True, description="vLLM CPU build: the KV cache's memory goes back to the OS while the learner updates and "
-                          "comes back page by page as the next rollout fills it (the CPU build has no sleep mode; "
-                          "1 GiB less resident during the update at the default budget, and only the blocks a "
-                          "rollout uses resident after it). Ignored on GPUs (see vllm_sleep).")
+                          "comes back zeroed after the weight sync (the CPU build has no sleep mode; 1 GiB less "
+                          "resident during the update at the default budget). Ignored on GPUs (see vllm_sleep).")
     gpu_memory_utilization: float = Field(
         0.3, gt=0, le=1, description="vLLM on a GPU: the fraction of each GPU's memory the engine may take (weights, "
                                      "activations, KV cache); the learner uses the rest when they share the GPU. "

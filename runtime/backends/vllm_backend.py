@@ -230,11 +230,13 @@ class WorkerExtension:
         return freed
 
     def restore_kv_cache(self) -> int:
-        """Give the released KV cache its memory back (uninitialised: the caller clears the prefix cache; the pages
-        become resident only as blocks are written). Returns the bytes restored."""
+        """Give the released KV cache its memory back, zeroed as a fresh engine's (the attention kernels read slots
+        no token wrote: uninitialised memory there made a resumed run sample other tokens than an uninterrupted
+        one; the caller clears the prefix cache). Returns the bytes restored."""
         kept, self._released_kv = getattr(self, "_released_kv", None) or [], []
         for st, n in kept:
             st.resize_(n)
+            st.fill_(0)
         return sum(n for _, n in kept)
 
     def refresh_cpu_heads(self) -> int:
@@ -473,7 +475,7 @@ class VLLMBackend:
         """Free the engine's memory for the update. Sleep mode (CUDA): offload the weights to CPU memory and drop the
         KV cache (``LLM.sleep(level=1)``; the prefix cache is cleared with it) so the learner has the GPU.
         ``release_kv`` (the CPU build): the KV cache's pages go back to the OS (1 GiB of resident memory at the
-        default budget) and come back, uninitialised, as the next rollout fills blocks; the weights stay. No request
+        default budget) and come back, zeroed, when the engine wakes; the weights stay. No request
         may be in flight. Returns whether the engine went to sleep (False with neither, or already asleep)."""
         if self.asleep or self._llm is None:
             return False
