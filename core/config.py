@@ -141,8 +141,7 @@ class RolloutConfig(_Strict):
                                "the batch needs more, live episodes are capped to what fits (a warning says so). "
                                "The cache is resident whole, except during updates (vllm_release_kv). 1 GiB holds "
                                "29 episodes of 1,536 tokens in bf16 (SmolLM2-135M): on 2 CPU cores more live "
-                               "episodes generate "
-                               "no faster (the smoke demo with 17 was 4 % faster than with 60).")
+                               "episodes generate no faster (the smoke demo with 17 was 4 % faster than with 60).")
     vllm_in_process: bool | None = Field(
         None, description="vLLM: run the engine core and its worker inside the trainer's process (no engine or "
                           "worker process: ~1 GiB less memory on the smoke run, a faster engine start) instead of "

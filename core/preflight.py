@@ -28,6 +28,8 @@ from core.kvcache import GiB, plan_kv_cache
 ACT_BYTES_PER_HIDDEN_LAYER = 34
 ACT_BYTES_PER_VOCAB = 12
 RUNTIME_BYTES = int(1.5 * GiB)  # torch, transformers, vLLM, Prefect and MLflow imported
+# optimizer state per parameter (algo.optimizer): AdamW's two fp32 moments, or bitsandbytes' two 8-bit ones
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw8bit": 2}
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,7 @@ class RunShape:
     reference: bool  # a frozen reference model (kl_coef > 0)
     critic: bool  # PPO's critic
     vllm: bool  # a vLLM engine (else transformers generation on the learner's model)
-    optimizer_bytes_per_param: int = 8  # AdamW's two fp32 moments; 2 for the 8-bit AdamW (algo.optimizer)
+    optimizer_bytes_per_param: int = 8  # OPTIMIZER_STATE_BYTES of algo.optimizer
 
 
 @dataclass

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from core.config import RunConfig
 from core.kvcache import GiB
-from core.preflight import ModelShape, Plan, RunShape, check_run
+from core.preflight import OPTIMIZER_STATE_BYTES, ModelShape, Plan, RunShape, check_run
 
 
 def _model_config(ref: str) -> dict:
@@ -47,7 +47,7 @@ def run_shape(cfg: RunConfig) -> RunShape:
                     engine_bytes_per_elem=4 if resolve_vllm_dtype(r.vllm_dtype) == "float32" else 2,
                     micro_batch_tokens=a.micro_batch_tokens, micro_batch_size=a.micro_batch_size,
                     reference=a.kl_coef > 0, critic=a.estimator == "ppo", vllm=r.backend == "vllm",
-                    optimizer_bytes_per_param=2 if a.optimizer == "adamw8bit" else 8)
+                    optimizer_bytes_per_param=OPTIMIZER_STATE_BYTES[a.optimizer])
 
 
 def dry_run(cfg: RunConfig) -> Plan:

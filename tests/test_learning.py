@@ -190,6 +190,19 @@ def _fixed_batch(tok, n: int = 6):
     return trajs, advs
 
 
+def _record_grads(learner) -> dict:
+    """The gradients ``learner`` steps on: filled (parameter name -> a copy) each time it takes an optimizer step."""
+    grads = {}
+    real_step = learner._step
+
+    def step():
+        grads.update({k: p.grad.clone() for k, p in learner.model.named_parameters()})
+        return real_step()
+
+    learner._step = step
+    return grads
+
+
 def test_single_step_update_takes_old_logprobs_from_its_own_forward(tiny_model_dir):
     """One optimizer step over the batch: prepare() skips the old-log-prob pass and update() uses its own
     forward's detached log-probs. The result must be what the update with separately computed old log-probs
@@ -272,10 +285,7 @@ def test_token_capped_micro_batches_give_the_same_update(tiny_model_dir):
         calls = []
         real = learner._token_logp
         learner._token_logp = lambda *a, **k: (calls.append(tuple(a[1].shape)), real(*a, **k))[1]
-        grads = {}
-        real_step = learner._step
-        learner._step = lambda: (grads.update({k: p.grad.clone() for k, p in learner.model.named_parameters()}),
-                                 real_step())[1]
+        grads = _record_grads(learner)
         st = learner.update(trajs, advs, prepared=learner.prepare(trajs))
         states[cap], forwards[cap] = (grads, st), calls
     assert [b for b, _ in forwards[None]] == [6] and [b for b, _ in forwards[pair]] == [2, 2, 2]
@@ -307,10 +317,7 @@ def test_chunked_logprobs_give_the_same_update(tiny_model_dir, bf16):
             need = pad_rows(masks, ids.shape[1]).bool()
             logp, ent = learner._token_logp(learner.model, ids, att, with_entropy=True, need=need, groups=groups)
             before = learner.sequence_logprobs(seqs, masks=masks, groups=groups)  # no-grad path, before the step
-            grads = {}
-            real_step = learner._step
-            learner._step = lambda: (grads.update({k: p.grad.clone() for k, p in learner.model.named_parameters()}),
-                                     real_step())[1]
+            grads = _record_grads(learner)
             st = learner.update(trajs, advs, prepared=learner.prepare(trajs))
             runs[chunk, share] = (logp.detach(), ent, grads, st["loss"], st["entropy"], before)
     tol = dict(atol=2e-2, rtol=2e-2) if bf16 else dict(atol=1e-5, rtol=1e-5)
@@ -339,10 +346,7 @@ def test_activation_checkpointing_gives_the_same_update(tiny_model_dir):
         assert [bool(getattr(m, "gradient_checkpointing", False)) for m in layers] == \
             [bool(every) and i % every == 0 for i in range(len(layers))]
         trajs, advs = _fixed_batch(learner.tokenizer)
-        grads = {}
-        real_step = learner._step
-        learner._step = lambda: (grads.update({k: p.grad.clone() for k, p in learner.model.named_parameters()}),
-                                 real_step())[1]
+        grads = _record_grads(learner)
         st = learner.update(trajs, advs, prepared=learner.prepare(trajs))
         runs[every] = (st["loss"], grads)
     loss0, g0 = runs[0]
@@ -414,27 +418,24 @@ def test_adamw8bit_learns_the_two_turn_task(tiny_model_dir, monkeypatch):
 def test_activation_checkpointing_above_a_token_threshold_only(tiny_model_dir):
     """``activation_checkpointing_min_tokens``: the micro-batch of 4 sequences (over the threshold) runs its layers
     checkpointed, the one of 2 (under it) keeps its activations; the update equals the plain one (fp32, 1e-5)."""
+    from transformers import AutoTokenizer
+
+    trajs, advs = _fixed_batch(AutoTokenizer.from_pretrained(tiny_model_dir))  # 6 sequences of one length:
+    T = max(len(t.token_ids) for t in trajs)  # micro-batches of 4 and 2
     runs = {}
-    for threshold in (0, None):
-        cfg = LearnerConfig(lr=1e-2, kl_coef=0.0, micro_batch_size=4, bf16_autocast=False)
-        probe = TorchLearner(tiny_model_dir, cfg)
-        trajs, advs = _fixed_batch(probe.tokenizer)  # 6 sequences of one length: micro-batches of 4 and 2
-        T = max(len(t.token_ids) for t in trajs)
-        if threshold is None:
-            cfg.activation_checkpointing_min_tokens = 3 * T
-        learner = TorchLearner(tiny_model_dir, cfg)
+    for threshold in (0, 3 * T):
+        learner = TorchLearner(tiny_model_dir, LearnerConfig(lr=1e-2, kl_coef=0.0, micro_batch_size=4,
+                                                             bf16_autocast=False,
+                                                             activation_checkpointing_min_tokens=threshold))
         calls = []
         for i, m in enumerate(learner._ckpt_layers):
             real = m._gradient_checkpointing_func
             m._gradient_checkpointing_func = (lambda *a, _r=real, _i=i, **k: (calls.append(_i), _r(*a, **k))[1])
-        grads = {}
-        real_step = learner._step
-        learner._step = lambda: (grads.update({k: p.grad.clone() for k, p in learner.model.named_parameters()}),
-                                 real_step())[1]
+        grads = _record_grads(learner)
         st = learner.update(trajs, advs, prepared=learner.prepare(trajs))
         runs[threshold] = (st["loss"], grads, calls, len(learner.model.model.layers))
     loss0, g0, calls0, _ = runs[0]
-    loss, g, calls, n_layers = runs[None]
+    loss, g, calls, n_layers = runs[3 * T]
     assert calls0 == []  # off: nothing checkpointed
     assert len(calls) == len(set(calls)) == n_layers  # each decoder layer once: the micro-batch of 4 only
     assert loss == pytest.approx(loss0, rel=1e-5, abs=1e-7)

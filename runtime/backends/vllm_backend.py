@@ -219,12 +219,11 @@ class WorkerExtension:
 
         kept = getattr(self, "_released_kv", None) or []
         freed = 0
-        for st in _kv_storages(self.model_runner.kv_caches):
+        for st in _kv_storages(self.model_runner.kv_caches):  # the ones not released yet (0 bytes are skipped)
             n = st.nbytes()
-            if n:
-                kept.append((st, n))
-                st.resize_(0)
-                freed += n
+            kept.append((st, n))
+            st.resize_(0)
+            freed += n
         self._released_kv = kept
         trim_heap()
         return freed
