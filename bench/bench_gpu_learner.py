@@ -2,6 +2,7 @@
 
     python bench/bench_gpu_learner.py --tokenizer DIR [--shapes smollm2-135m,qwen2.5-0.5b,qwen2.5-1.5b]
                                       [--workload study|paper] [--steps 2] [--out FILE.json]
+                                      [--optimizer adamw|adamw8bit] [--activation-checkpointing N]
 
 What a GPU step of the learner costs, measured rather than estimated: for each shape, a model with that
 architecture and random weights (built from its config here: no download; the FLOPs and bytes of a step do
@@ -17,6 +18,10 @@ The tokenizer folder (``--tokenizer``, e.g. the embedded SmolLM2's) gives the pa
 its vocabulary. One warm-up step, then ``--steps`` timed steps (``torch.cuda.synchronize`` around each);
 prints per shape: parameters, tokens per step, prepare and update seconds, learner tokens/s, peak GPU memory
 (``torch.cuda.max_memory_allocated``), and writes the rows as JSON to ``--out``. Needs a CUDA GPU.
+
+``--optimizer`` picks the learner's optimizer (``adamw``: torch's, fp32 moments; ``adamw8bit``: bitsandbytes', 8-bit
+moments) and ``--activation-checkpointing N`` makes every N-th decoder layer recompute its activations in the
+backward pass (0: none, 1: every layer); each row records both, and the optimizer state's size after the steps.
 """
 
 from __future__ import annotations
@@ -88,7 +93,8 @@ def trajectories(vocab: int, groups: int, samples: int, prompt: int, turns: int,
     return trajs, advs
 
 
-def run_shape(path: Path, shape: str, work: dict, steps: int, micro_batch_tokens: int) -> dict:
+def run_shape(path: Path, shape: str, work: dict, steps: int, micro_batch_tokens: int, optimizer: str = "adamw",
+              activation_checkpointing: int = 0) -> dict:
     import torch
 
     from runtime.backends.learner import LearnerConfig, TorchLearner
@@ -96,7 +102,8 @@ def run_shape(path: Path, shape: str, work: dict, steps: int, micro_batch_tokens
     torch.cuda.reset_peak_memory_stats()
     learner = TorchLearner(str(path), LearnerConfig(lr=1e-6, kl_coef=0.001, micro_batch_size=64,
                                                     micro_batch_tokens=micro_batch_tokens, bf16_autocast=True,
-                                                    device="cuda"))
+                                                    device="cuda", optimizer=optimizer,
+                                                    activation_checkpointing=activation_checkpointing))
     params = sum(p.numel() for p in learner.model.parameters())
     vocab = min(learner.tokenizer.vocab_size, SHAPES[shape]["vocab_size"])
     times = []
@@ -116,13 +123,15 @@ def run_shape(path: Path, shape: str, work: dict, steps: int, micro_batch_tokens
               flush=True)
     tokens = sum(len(t.token_ids) for t in trajs)
     policy = sum(sum(t.loss_mask) for t in trajs)
+    opt_bytes = sum(t.nbytes for st in learner.opt.state.values() for t in st.values() if torch.is_tensor(t))
     prep_s = sum(a for a, _ in times) / len(times)
     upd_s = sum(b for _, b in times) / len(times)
     row = {"shape": shape, "params_m": round(params / 1e6, 1), "sequences": len(trajs), "tokens_per_step": tokens,
            "policy_tokens_per_step": policy, "prepare_s": round(prep_s, 3), "update_s": round(upd_s, 3),
            "learner_tokens_per_s": round(tokens / (prep_s + upd_s)),
            "peak_gpu_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-           "micro_batch_tokens": micro_batch_tokens}
+           "micro_batch_tokens": micro_batch_tokens, "optimizer": optimizer,
+           "activation_checkpointing": activation_checkpointing, "optimizer_state_gib": round(opt_bytes / 2**30, 2)}
     del learner
     torch.cuda.empty_cache()
     return row
@@ -136,6 +145,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--micro-batch-tokens", type=int, default=32768)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit"],
+                    help="the learner's optimizer (adamw8bit needs bitsandbytes)")
+    ap.add_argument("--activation-checkpointing", type=int, default=0, metavar="N",
+                    help="every N-th decoder layer recomputes its activations in the backward (0: off, 1: every layer)")
     a = ap.parse_args()
     import torch
 
@@ -145,21 +158,30 @@ def main() -> None:
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
         raise SystemExit(f"unknown shape(s) {unknown}: choose from {', '.join(SHAPES)}")
+    if a.activation_checkpointing < 0:
+        raise SystemExit("--activation-checkpointing N needs N >= 0 (0: off)")
     gpu = torch.cuda.get_device_name(0)
-    print(f"GPU {gpu}; torch {torch.__version__}; workload {a.workload} {WORKLOADS[a.workload]}", flush=True)
+    print(f"GPU {gpu}; torch {torch.__version__}; workload {a.workload} {WORKLOADS[a.workload]}; "
+          f"optimizer {a.optimizer}; activation checkpointing every {a.activation_checkpointing or '-'} layer(s)",
+          flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for shape in shapes:
             path = build_model(shape, Path(a.tokenizer), Path(tmp))
-            rows.append(run_shape(path, shape, WORKLOADS[a.workload], a.steps, a.micro_batch_tokens))
+            rows.append(run_shape(path, shape, WORKLOADS[a.workload], a.steps, a.micro_batch_tokens, a.optimizer,
+                                  a.activation_checkpointing))
             r = rows[-1]
             print(f"{shape:>13} ({r['params_m']}M): {r['sequences']} seqs, {r['tokens_per_step']} tokens/step, "
                   f"prepare {r['prepare_s']:.2f} s + update {r['update_s']:.2f} s -> "
-                  f"{r['learner_tokens_per_s']} tokens/s; peak GPU memory {r['peak_gpu_mem_gib']} GiB", flush=True)
+                  f"{r['learner_tokens_per_s']} tokens/s; peak GPU memory {r['peak_gpu_mem_gib']} GiB; "
+                  f"optimizer {r['optimizer']} (state {r['optimizer_state_gib']} GiB), activation checkpointing "
+                  f"{r['activation_checkpointing']}", flush=True)
             shutil.rmtree(path, ignore_errors=True)
     if a.out:
         Path(a.out).write_text(json.dumps({"gpu": gpu, "torch": torch.__version__, "workload": a.workload,
-                                           "workload_shape": WORKLOADS[a.workload], "rows": rows}, indent=2))
+                                           "workload_shape": WORKLOADS[a.workload], "optimizer": a.optimizer,
+                                           "activation_checkpointing": a.activation_checkpointing, "rows": rows},
+                                          indent=2))
 
 
 if __name__ == "__main__":

@@ -103,7 +103,8 @@ def run_ours(steps: int, engine: str, in_process: bool = False) -> dict:
                               max_model_len=MAX_LEN, seed=0, kv_cache_gb=plan.cache_bytes / GiB,
                               export_weights=export_fn(learner),
                               named_weights=named_weights_fn(learner) if memory else None,
-                              in_process=in_process, release_kv=is_cpu_build())  # as the product: rollout.vllm_release_kv
+                              in_process=in_process, release_kv=is_cpu_build(),  # as the product: rollout.vllm_release_kv
+                              release_weights=is_cpu_build())  # and rollout.vllm_release_weights
     else:
         backend = TransformersBackend(learner.model, tok.eos_token_id, tok.eos_token_id, 32, bf16)
     data = babyai_prompts(PROMPTS * steps)

@@ -151,6 +151,10 @@ class RolloutConfig(_Strict):
         True, description="vLLM CPU build: the KV cache's memory goes back to the OS while the learner updates and "
                           "comes back zeroed after the weight sync (the CPU build has no sleep mode; 1 GiB less "
                           "resident during the update at the default budget). Ignored on GPUs (see vllm_sleep).")
+    vllm_release_weights: bool = Field(
+        True, description="vLLM CPU build, with vllm_release_kv: the packed weight copies the engine's linear layers "
+                          "run on are dropped too while the learner updates (0.25 GiB for SmolLM2-135M in bf16); the "
+                          "weight sync after the update rebuilds them, as every sync does.")
     gpu_memory_utilization: float = Field(
         0.3, gt=0, le=1, description="vLLM on a GPU: the fraction of each GPU's memory the engine may take (weights, "
                                      "activations, KV cache); the learner uses the rest when they share the GPU. "

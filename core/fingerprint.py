@@ -24,6 +24,8 @@ OPERATIONAL_KEYS = frozenset({
     # how the work is scheduled, not what is trained: episodes stepped one by one or in lock-step (same seeds), and
     # how a mini-batch is cut into forwards (the loss weights are the whole mini-batch's: tests/test_learning.py)
     "rollout.async_episodes", "algo.micro_batch_tokens",
+    # what the engine hands back to the OS while the learner updates (it generates the same tokens either way)
+    "rollout.vllm_release_kv", "rollout.vllm_release_weights",
     # where it runs: env servers' addresses, the device, the engine's GPU share and sharding, the learner's nodes
     "env.urls", "model.device", "rollout.gpu_memory_utilization", "rollout.tensor_parallel_size", "rollout.vllm_sleep",
     "learner.nodes", "learner.node_rank", "learner.master_addr", "learner.master_port",

@@ -34,3 +34,37 @@ def trim_heap() -> bool:
     only its top). Live memory is untouched. Returns True when some memory was released."""
     fn = _malloc_trim()
     return bool(fn(0)) if fn is not None else False
+
+
+@functools.lru_cache(maxsize=1)
+def _madvise():
+    """libc's ``madvise``, or None where there is none."""
+    name = ctypes.util.find_library("c")
+    try:
+        fn = ctypes.CDLL(name or "libc.so.6", use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+MADV_DONTNEED = 4  # Linux
+PAGE = 4096
+
+
+def zero_pages(ptr: int, nbytes: int) -> int:
+    """Zero ``nbytes`` at address ``ptr`` of private anonymous memory (the heap's, an anonymous mapping's) without
+    making them resident: the whole pages inside the range are dropped (``madvise(MADV_DONTNEED)``: the next touch
+    maps a fresh zero page), the partial pages at its ends are written with zeros. Where madvise is missing or
+    refuses (not Linux), every byte is written. Returns the bytes dropped rather than written."""
+    if nbytes <= 0:
+        return 0
+    lo = (ptr + PAGE - 1) // PAGE * PAGE
+    hi = (ptr + nbytes) // PAGE * PAGE
+    fn = _madvise()
+    if fn is None or hi <= lo or fn(lo, hi - lo, MADV_DONTNEED) != 0:
+        ctypes.memset(ptr, 0, nbytes)
+        return 0
+    ctypes.memset(ptr, 0, lo - ptr)
+    ctypes.memset(hi, 0, ptr + nbytes - hi)
+    return hi - lo

@@ -341,11 +341,12 @@ def policy_update(key: str, batch: Batch, adv: Advantages) -> dict[str, float]:
     out = s.learner.update(samples, split_rows(adv.advantages, where), prepared=adv.prepared,
                            returns=None if adv.returns is None else split_rows(adv.returns, where))
     kill_point("update")  # test hook (runtime.killpoint): a no-op unless $SCALINGINTER_KILL_AT names it
+    trim_heap()  # the update's freed activations go back to the OS before the engine's KV cache comes back
     with timed("weight_sync"):
         s.backend.sync_weights()  # a separate generation engine (vLLM) reloads the new weights; no-op otherwise
     if hasattr(s.backend, "sync_time_s"):
         out["weight_sync_s"] = s.backend.sync_time_s
-    trim_heap()  # the update's activations and gradients, freed, go back to the OS (runtime.memory)
+    trim_heap()  # and what the sync freed (runtime.memory)
     return out
 
 

@@ -8,6 +8,8 @@ skips where torch sees no CUDA device:
 - vLLM's CUDA engine after an in-memory weight sync gives the learner's log-probs (bf16 engine vs the fp32 learner
   under bf16 autocast: mean |diff| < 0.1 nats, the CPU bf16 test's bound), in sleep mode: the engine sleeps during
   the update (its GPU memory is freed) and wakes for the sync;
+- ``algo.optimizer=adamw8bit`` (bitsandbytes' CUDA kernels) moves the weights as torch's AdamW does over four
+  updates (cosine > 0.98, norms within 10 %, the CPU test's bounds) with under 30 % of its optimizer state;
 - a one-step smoke run (``scalinginter run babyai``, vLLM engine on the GPU, learner on the GPU) completes.
 
 The tests without the ``gpu`` mark check, here on the CPU, the GPU code paths that need no GPU: device resolution,
@@ -28,6 +30,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
+HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
 
 
 def _cuda() -> bool:
@@ -135,14 +138,14 @@ class _FakeLLM:
         return True
 
 
-def _fake_backend(sleep_mode: bool, release_kv: bool = False):
+def _fake_backend(sleep_mode: bool, release_kv: bool = False, release_weights: bool = False):
     import torch
 
     from runtime.backends.vllm_backend import VLLMBackend
 
     b = VLLMBackend.__new__(VLLMBackend)  # no engine: the fake LLM stands in for vllm.LLM
     b._llm, b.sleep_mode, b._asleep_tags, b.sleeps = _FakeLLM(), sleep_mode, set(), 0
-    b.release_kv = release_kv
+    b.release_kv, b.release_weights = release_kv, release_weights
     b.dtype, b.transport, b._shm, b.syncs, b.export_weights = "float32", "rpc", None, 0, None
     w = torch.nn.Linear(2, 2)
     b.named_weights = lambda: w.named_parameters()
@@ -185,6 +188,28 @@ def test_cpu_release_kv_frees_the_cache_for_the_update_and_restores_it_after_the
     assert [c[1] for c in b._llm.calls[-3:-1]] == ["release_kv_cache", "restore_kv_cache"] and not b.asleep
 
 
+def test_cpu_release_weights_drops_the_packed_copies_until_the_sync_loads_new_ones():
+    """With ``release_weights`` the worker also drops its packed weights before the update; the sync's load rebuilds
+    them (no separate restore), then the KV cache comes back. Generation without a sync in between loads the
+    learner's weights first; with no learner to take them from it is refused with the fix."""
+    b = _fake_backend(sleep_mode=False, release_kv=True, release_weights=True)
+    assert b.sleep() is True and b._asleep_tags == {"kv_cache", "cpu_weights"}
+    b.sync_weights()
+    names = [c[1] if c[0] == "rpc" else c[0] for c in b._llm.calls]
+    assert names == ["release_kv_cache", "release_cpu_weights", "load_named_tensors", "reset_prefix_cache",
+                     "restore_kv_cache", "reset_prefix_cache"]
+    assert not b.asleep
+    b.sleep()
+    b.wake()  # generation right after an update without its sync: the learner's weights are loaded first
+    names = [c[1] if c[0] == "rpc" else c[0] for c in b._llm.calls[len(names):]]
+    assert names == ["release_kv_cache", "release_cpu_weights", "load_named_tensors", "reset_prefix_cache",
+                     "restore_kv_cache", "reset_prefix_cache"] and not b.asleep
+    b.named_weights = None
+    b.sleep()
+    with pytest.raises(RuntimeError, match="sync_weights"):
+        b.wake()
+
+
 def test_a_sleeping_engine_wakes_for_generation():
     b = _fake_backend(sleep_mode=True)
     b.sleep()
@@ -201,10 +226,6 @@ def _batch():
     return trajs, [[(1.0 + 0.5 * i) * a for a in row] for i, row in enumerate(advs)]
 
 
-def _grads(learner) -> dict:
-    return {n: p.grad.detach().float().cpu().clone() for n, p in learner.model.named_parameters() if p.grad is not None}
-
-
 def _rel(a, b) -> float:
     import torch
 
@@ -216,19 +237,22 @@ def _rel(a, b) -> float:
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_learner_matches_cpu_learner():
-    """One update at lr 0 (the gradients stay on the parameters; AdamW with lr 0 leaves the weights): the CUDA
+    """One update at lr 0 (its gradients recorded at the optimizer step; AdamW with lr 0 leaves the weights): the CUDA
     learner's loss and gradients are the CPU learner's, in fp32 tightly and under bf16 autocast within bf16 noise."""
     from runtime.backends.learner import LearnerConfig, TorchLearner
     from runtime.backends.model import resolve_model
+    from tests.grads import record_grads
 
     path = os.environ.get("SCALINGINTER_TEST_MODEL") or resolve_model("smollm2-135m")
     kw = dict(lr=0.0, kl_coef=0.01, micro_batch_size=2, grad_clip=1e9, temperature=1.0)
     cpu = TorchLearner(path, LearnerConfig(bf16_autocast=False, device="cpu", **kw))
+    g_cpu = record_grads(cpu)
     s_cpu = cpu.update(*_batch())
-    g_cpu = _grads(cpu)
+    assert g_cpu, "no gradients recorded"
     cpu_bf16 = TorchLearner(path, LearnerConfig(bf16_autocast=True, device="cpu", **kw))
+    g_cpu_bf16 = record_grads(cpu_bf16)
     s_cpu_bf16 = cpu_bf16.update(*_batch())
-    bf16_noise = _rel(_grads(cpu_bf16), g_cpu)  # what bf16 autocast alone moves the gradients, on the CPU
+    bf16_noise = _rel(g_cpu_bf16, g_cpu)  # what bf16 autocast alone moves the gradients, on the CPU
     bf16_norm = abs(s_cpu_bf16["grad_norm"] - s_cpu["grad_norm"]) / s_cpu["grad_norm"]
     print(f"\nCPU bf16 vs fp32: grad rel diff {bf16_noise:.2e}, grad norm rel diff {bf16_norm:.2e}")
     del cpu_bf16
@@ -236,8 +260,8 @@ def test_cuda_learner_matches_cpu_learner():
         gpu = TorchLearner(path, LearnerConfig(bf16_autocast=bf16, device="cuda", **kw))
         assert next(gpu.model.parameters()).device.type == "cuda" and gpu.ref is not None
         assert next(gpu.ref.parameters()).device.type == "cuda"
+        g_gpu = record_grads(gpu)
         s_gpu = gpu.update(*_batch())
-        g_gpu = _grads(gpu)
         assert set(g_gpu) == set(g_cpu)
         rel = _rel(g_gpu, g_cpu)
         print(f"\nbf16={bf16}: loss cpu {s_cpu['loss']:.6f} cuda {s_gpu['loss']:.6f}; grad rel diff {rel:.2e}; "
@@ -249,6 +273,45 @@ def test_cuda_learner_matches_cpu_learner():
         import torch
 
         torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.skipif(not HAS_BNB, reason="bitsandbytes not installed")
+def test_cuda_adamw8bit_tracks_adamw():
+    """``algo.optimizer=adamw8bit`` on CUDA (bitsandbytes' CUDA kernels): from the same weights and batch, four
+    updates move the weights as torch's AdamW moves them (cosine of the two weight changes > 0.98, norms within
+    10 %: the CPU test's bounds, tests/test_learning.py) while its moments take under 30 % of the bytes."""
+    import torch
+
+    from runtime.backends.learner import LearnerConfig, TorchLearner
+    from runtime.backends.model import resolve_model
+
+    path = os.environ.get("SCALINGINTER_TEST_MODEL") or resolve_model("smollm2-135m")
+    moved, state_bytes = {}, {}
+    for opt in ("adamw", "adamw8bit"):
+        torch.manual_seed(0)
+        learner = TorchLearner(path, LearnerConfig(lr=1e-4, kl_coef=0.0, micro_batch_size=4, bf16_autocast=False,
+                                                   device="cuda", optimizer=opt))
+        assert next(learner.model.parameters()).device.type == "cuda"
+        start = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
+        trajs, advs = _batch()
+        for _ in range(4):
+            learner.update(trajs, advs, prepared=learner.prepare(trajs))
+        moved[opt] = torch.cat([(p.detach() - start[n]).flatten().double()  # fp64: 135M-term dot products
+                                for n, p in learner.model.named_parameters()])
+        state = [t for st in learner.opt.state.values() for t in st.values() if torch.is_tensor(t)]
+        assert all(t.device.type == "cuda" for t in state if t.numel() > 1), opt
+        state_bytes[opt] = sum(t.nbytes for t in state)
+        del learner, start
+        torch.cuda.empty_cache()
+    a, b = moved["adamw"], moved["adamw8bit"]
+    cos = float(torch.dot(a, b) / (a.norm() * b.norm()))
+    ratio = float(b.norm() / a.norm())
+    print(f"\nadamw8bit vs adamw on CUDA, 4 updates: weight-change cosine {cos:.4f}, norm ratio {ratio:.4f}; "
+          f"optimizer state {state_bytes['adamw8bit'] / 2**20:.1f} MiB vs {state_bytes['adamw'] / 2**20:.1f} MiB")
+    assert cos > 0.98 and abs(ratio - 1) < 0.1, (cos, ratio)
+    assert state_bytes["adamw8bit"] < 0.3 * state_bytes["adamw"], state_bytes
 
 
 @pytest.mark.gpu

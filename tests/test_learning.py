@@ -24,6 +24,7 @@ from runtime.backends.generation import SamplingParams, TransformersBackend
 from runtime.backends.learner import LearnerConfig, TorchLearner
 from envs.sessions import LocalEpisode
 from runtime.rollout import EpisodeSpec, run_rollout
+from tests.grads import record_grads
 
 
 def parity(reply: str) -> int:
@@ -190,19 +191,6 @@ def _fixed_batch(tok, n: int = 6):
     return trajs, advs
 
 
-def _record_grads(learner) -> dict:
-    """The gradients ``learner`` steps on: filled (parameter name -> a copy) each time it takes an optimizer step."""
-    grads = {}
-    real_step = learner._step
-
-    def step():
-        grads.update({k: p.grad.clone() for k, p in learner.model.named_parameters()})
-        return real_step()
-
-    learner._step = step
-    return grads
-
-
 def test_single_step_update_takes_old_logprobs_from_its_own_forward(tiny_model_dir):
     """One optimizer step over the batch: prepare() skips the old-log-prob pass and update() uses its own
     forward's detached log-probs. The result must be what the update with separately computed old log-probs
@@ -285,7 +273,7 @@ def test_token_capped_micro_batches_give_the_same_update(tiny_model_dir):
         calls = []
         real = learner._token_logp
         learner._token_logp = lambda *a, **k: (calls.append(tuple(a[1].shape)), real(*a, **k))[1]
-        grads = _record_grads(learner)
+        grads = record_grads(learner)
         st = learner.update(trajs, advs, prepared=learner.prepare(trajs))
         states[cap], forwards[cap] = (grads, st), calls
     assert [b for b, _ in forwards[None]] == [6] and [b for b, _ in forwards[pair]] == [2, 2, 2]
@@ -317,7 +305,7 @@ def test_chunked_logprobs_give_the_same_update(tiny_model_dir, bf16):
             need = pad_rows(masks, ids.shape[1]).bool()
             logp, ent = learner._token_logp(learner.model, ids, att, with_entropy=True, need=need, groups=groups)
             before = learner.sequence_logprobs(seqs, masks=masks, groups=groups)  # no-grad path, before the step
-            grads = _record_grads(learner)
+            grads = record_grads(learner)
             st = learner.update(trajs, advs, prepared=learner.prepare(trajs))
             runs[chunk, share] = (logp.detach(), ent, grads, st["loss"], st["entropy"], before)
     tol = dict(atol=2e-2, rtol=2e-2) if bf16 else dict(atol=1e-5, rtol=1e-5)
@@ -346,7 +334,7 @@ def test_activation_checkpointing_gives_the_same_update(tiny_model_dir):
         assert [bool(getattr(m, "gradient_checkpointing", False)) for m in layers] == \
             [bool(every) and i % every == 0 for i in range(len(layers))]
         trajs, advs = _fixed_batch(learner.tokenizer)
-        grads = _record_grads(learner)
+        grads = record_grads(learner)
         st = learner.update(trajs, advs, prepared=learner.prepare(trajs))
         runs[every] = (st["loss"], grads)
     loss0, g0 = runs[0]
@@ -431,7 +419,7 @@ def test_activation_checkpointing_above_a_token_threshold_only(tiny_model_dir):
         for i, m in enumerate(learner._ckpt_layers):
             real = m._gradient_checkpointing_func
             m._gradient_checkpointing_func = (lambda *a, _r=real, _i=i, **k: (calls.append(_i), _r(*a, **k))[1])
-        grads = _record_grads(learner)
+        grads = record_grads(learner)
         st = learner.update(trajs, advs, prepared=learner.prepare(trajs))
         runs[threshold] = (st["loss"], grads, calls, len(learner.model.model.layers))
     loss0, g0, calls0, _ = runs[0]

@@ -54,3 +54,26 @@ def _scenario() -> None:
                for b in kept)
     for b in kept:
         libc.free(b)
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="madvise(MADV_DONTNEED) semantics are Linux's")
+def test_zero_pages_zeroes_the_range_without_making_it_resident():
+    """The released KV cache comes back through ``zero_pages``: every byte of the range reads 0 afterwards, the
+    bytes around it are untouched (its ends are not page-aligned here), and the whole pages inside it stop being
+    resident (they are mapped again, zeroed, on their next touch)."""
+    import torch
+
+    from runtime.memory import zero_pages
+
+    n = (64 << 20) + 123
+    buf = torch.full((n,), 7, dtype=torch.uint8)  # written: resident
+    start, length = 100, n - 100 - 77
+    before = _rss()
+    dropped = zero_pages(buf.data_ptr() + start, length)
+    after = _rss()
+    assert dropped >= length - 2 * 4096 and dropped % 4096 == 0
+    assert before - after > 0.9 * dropped, (before, after, dropped)
+    assert int(buf[start:start + length].count_nonzero()) == 0
+    assert bool((buf[:start] == 7).all()) and bool((buf[start + length:] == 7).all())
+    buf[start:start + length] = 5  # the pages work as ordinary memory again
+    assert int((buf == 5).sum()) == length

@@ -87,16 +87,27 @@ greedy = SamplingParams(12, 0.0)
 kv_gb = 0.5
 out = {}
 with vb.VLLMBackend(path, tok.eos_token_id, dtype="bfloat16" if native_bf16() else "float32", max_model_len=512,
-                    kv_cache_gb=kv_gb, in_process=True, release_kv=True) as engine:
+                    kv_cache_gb=kv_gb, in_process=True, release_kv=True, release_weights=True) as engine:
     first = [g.token_ids for g in engine.generate(prompts, greedy)]
     rss = psutil.Process().memory_info().rss
     out["slept"] = engine.sleep() and engine.asleep
     out["released"] = engine.kv_released_bytes / (kv_gb * 2**30)
-    out["rss_drop"] = (rss - psutil.Process().memory_info().rss) / (kv_gb * 2**30)
+    dropped = rss - psutil.Process().memory_info().rss
+    out["rss_drop"] = dropped / (kv_gb * 2**30)
+    out["weights_drop_mib"] = (dropped - engine.kv_released_bytes) / 2**20
+    try:  # no learner to take weights from: generating before a weight load is refused
+        engine.generate(prompts, greedy)
+        out["refused"] = False
+    except RuntimeError as e:
+        out["refused"] = "sync_weights" in str(e)
+    engine.load_folder(path)  # the sync's in-memory load: the packed weights are rebuilt
     out["same_after_wake"] = [g.token_ids for g in engine.generate(prompts, greedy)] == first
     out["awake"] = not engine.asleep
     engine.sleep()
+    engine.load_folder(path)
+    rss = psutil.Process().memory_info().rss
     engine.wake()
+    out["rss_rise_on_wake"] = (psutil.Process().memory_info().rss - rss) / (kv_gb * 2**30)
     out["same_again"] = [g.token_ids for g in engine.generate(prompts, greedy)] == first
 print("RESULT " + json.dumps(out))
 """
@@ -104,10 +115,12 @@ print("RESULT " + json.dumps(out))
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm not installed")
 def test_cpu_engine_releases_its_kv_cache_and_generates_the_same_after():
-    """``release_kv`` on the real CPU engine (in its own process, so its RSS is its own; vLLM's start also scans
-    every loaded module, which some other tests' imports trip): ``sleep`` hands the KV cache's pages back to the
-    OS (the process's resident memory falls by about its size), generation wakes it, and greedy outputs equal the
-    ones before (the released blocks come back uninitialised; the prefix cache is forgotten)."""
+    """``release_kv`` and ``release_weights`` on the real CPU engine (in its own process, so its RSS is its own; vLLM's
+    start also scans every loaded module, which some other tests' imports trip): ``sleep`` hands the KV cache's
+    pages and the packed weights back to the OS (the process's resident memory falls by about their size),
+    generation before a weight load is refused, a load rebuilds the weights, and greedy outputs equal the
+    ones before (the released blocks come back zeroed, page by page as they are touched; the prefix cache is
+    forgotten)."""
     import json
     import os
     import subprocess
@@ -125,7 +138,11 @@ def test_cpu_engine_releases_its_kv_cache_and_generates_the_same_after():
     out = json.loads(lines[-1][len("RESULT "):])
     assert out["slept"] and out["released"] >= 0.95, out
     assert out["rss_drop"] > 0.8, f"resident memory fell by {out['rss_drop']:.2f} of the cache's size only"
+    # the linear layers' packed copies (~0.2 GiB in bf16, more in fp32) went with it, and came back with a load
+    assert out["weights_drop_mib"] > 150 and out["refused"], out
     assert out["same_after_wake"] and out["awake"] and out["same_again"], out
+    # restored zeroed but not written: only the blocks the next generation touches become resident again
+    assert out["rss_rise_on_wake"] < 0.2, f"waking made {out['rss_rise_on_wake']:.2f} of the cache resident"
 
 
 def _fixed_sequence(tok):

@@ -231,17 +231,22 @@ class WorkerExtension:
     def restore_kv_cache(self) -> int:
         """Give the released KV cache its memory back, zeroed as a fresh engine's (the attention kernels read slots
         no token wrote: uninitialised memory there made a resumed run sample other tokens than an uninterrupted
-        one; the caller clears the prefix cache). Returns the bytes restored."""
+        one; the caller clears the prefix cache). Zeroed page by page as blocks are used, not written now
+        (``runtime.memory.zero_pages``): only the blocks the next rollout touches become resident. Returns the
+        bytes restored."""
+        from runtime.memory import zero_pages
+
         kept, self._released_kv = getattr(self, "_released_kv", None) or [], []
         for st, n in kept:
             st.resize_(n)
-            st.fill_(0)
+            zero_pages(st.data_ptr(), n)
         return sum(n for _, n in kept)
 
     def refresh_cpu_heads(self) -> int:
         """CPU build: the output head packs a private copy of its weight for its GEMM at load time, and an in-place
         reload does not redo that for a head tied to the input embedding (measured: stale logits after a sync).
-        Re-pack every embedding-type layer from its (reloaded) weight. Returns how many were refreshed."""
+        Re-pack every embedding-type layer from its (reloaded) weight. Returns how many were refreshed. Then no
+        layer may still run on released weights (``release_cpu_weights``): a load that left one out is refused."""
         from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
         model = self.model_runner.model
@@ -250,7 +255,34 @@ class WorkerExtension:
             if isinstance(mod, VocabParallelEmbedding) and hasattr(mod, "cpu_linear"):
                 mod.quant_method.process_weights_after_loading(mod)
                 n += 1
+        left = [name for name, mod in model.named_modules() if getattr(mod, "cpu_linear", None) is _released_gemm]
+        if left:
+            raise RuntimeError(f"{len(left)} layers (e.g. {left[0]}) got no weights in this load after their packed "
+                               "weights were released for the update: load every weight of the model")
         return n
+
+    def release_cpu_weights(self) -> int:
+        """CPU build: drop the packed weight copies the linear layers' GEMMs (and the output head's) run on; their
+        memory goes back to the OS. The next weight load rebuilds them (vLLM's in-place reload runs each layer's
+        post-load processing again, ``refresh_cpu_heads`` re-packs the head); until then a forward pass raises.
+        Returns how many layers released theirs."""
+        import torch
+
+        from runtime.memory import trim_heap
+
+        n = 0
+        for mod in self.model_runner.model.modules():
+            gemm = getattr(mod, "cpu_linear", None)
+            if gemm is not None and gemm is not _released_gemm and gemm is not torch.nn.functional.linear:
+                mod.cpu_linear = _released_gemm  # the closure over the packed copy goes: the copy is freed
+                n += 1
+        trim_heap()
+        return n
+
+
+def _released_gemm(x, weight, bias):
+    raise RuntimeError("the engine's packed weights were released for the update: load weights (sync_weights) "
+                       "before generating")
 
 
 def _kv_storages(caches) -> list:
@@ -335,6 +367,7 @@ class VLLMBackend:
         tensor_parallel_size: int = 1,
         sleep_mode: bool = False,
         release_kv: bool = False,
+        release_weights: bool = False,
         export_weights: Callable[[Path], None] | None = None,
         named_weights: Callable[[], Iterable[tuple[str, Any]]] | None = None,
         transport: str = "shm",
@@ -355,6 +388,8 @@ class VLLMBackend:
         self.sleep_mode = bool(sleep_mode)
         # the CPU build's stand-in for sleep mode: the KV cache's memory goes back to the OS while the learner updates
         self.release_kv = bool(release_kv) and not self.sleep_mode
+        # with it, the linear layers' packed weights go too (rebuilt by the sync's weight load)
+        self.release_weights = self.release_kv and bool(release_weights)
         self._asleep_tags: set[str] = set()  # sleep mode: the engine allocations still offloaded / dropped
         self.sleeps = 0
         self.kv_released_bytes = 0  # release_kv: what the last sleep handed back
@@ -474,7 +509,8 @@ class VLLMBackend:
         """Free the engine's memory for the update. Sleep mode (CUDA): offload the weights to CPU memory and drop the
         KV cache (``LLM.sleep(level=1)``; the prefix cache is cleared with it) so the learner has the GPU.
         ``release_kv`` (the CPU build): the KV cache's pages go back to the OS (1 GiB of resident memory at the
-        default budget) and come back, zeroed, when the engine wakes; the weights stay. No request
+        default budget) and come back, zeroed, when the engine wakes; with ``release_weights`` the linear layers'
+        packed weight copies go too (the next weight load, the sync's, rebuilds them). No request
         may be in flight. Returns whether the engine went to sleep (False with neither, or already asleep)."""
         if self.asleep or self._llm is None:
             return False
@@ -484,6 +520,9 @@ class VLLMBackend:
         elif self.release_kv:
             self.kv_released_bytes = max(self._llm.collective_rpc("release_kv_cache"))
             self._asleep_tags = {"kv_cache"}
+            if self.release_weights:
+                self._llm.collective_rpc("release_cpu_weights")
+                self._asleep_tags.add("cpu_weights")
         else:
             return False
         self.sleeps += 1
@@ -493,6 +532,14 @@ class VLLMBackend:
     def asleep(self) -> bool:
         return bool(self._asleep_tags)
 
+    def _wake_for_load(self) -> None:
+        """Before a weight load: sleep mode wakes the weights it offloaded (the load overwrites them); released CPU
+        weights need nothing (the load rebuilds them: the worker refuses a load that leaves a layer out)."""
+        if "cpu_weights" in self._asleep_tags:
+            self._asleep_tags.discard("cpu_weights")
+        else:
+            self.wake(["weights"])
+
     def wake(self, tags: list[str] | None = None) -> None:
         """Wake a sleeping engine (``LLM.wake_up``): all of it (``tags`` None), or only those of ``["weights"]`` /
         ``["kv_cache"]`` still asleep (each allocation is woken once); the engine schedules again once all are."""
@@ -501,10 +548,16 @@ class VLLMBackend:
         want = set(self._asleep_tags) if tags is None else set(tags) & self._asleep_tags
         if not want:
             return
-        if self.release_kv:  # only the KV cache was released: its memory back, its stale prefix blocks forgotten
-            self._llm.collective_rpc("restore_kv_cache")
-            self._llm.reset_prefix_cache()
-            self._asleep_tags.clear()
+        if self.release_kv:  # the KV cache's memory back, its stale prefix blocks forgotten
+            if "cpu_weights" in want:  # released packed weights: only a weight load brings them back
+                if self.named_weights is None:
+                    raise RuntimeError("the engine's packed weights were released for the update and no weights were "
+                                       "loaded since: call sync_weights() (or load weights) before generating")
+                self.push_weights(self.named_weights(), self.transport)
+            if "kv_cache" in want:
+                self._llm.collective_rpc("restore_kv_cache")
+                self._llm.reset_prefix_cache()
+                self._asleep_tags.discard("kv_cache")
             return
         fully = self._llm.wake_up(None if tags is None else sorted(want))
         self._asleep_tags -= want
@@ -532,7 +585,7 @@ class VLLMBackend:
     def load_weights(self, weights_path: str | os.PathLike) -> float:
         """Reload the engine's weights in place from an HF folder (safetensors). Returns seconds taken."""
         t0 = time.time()
-        self.wake(["weights"])
+        self._wake_for_load()
         self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(weights_path)})
         self._llm.collective_rpc("refresh_cpu_heads")
         self._llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
@@ -545,7 +598,7 @@ class VLLMBackend:
         import torch
 
         t0 = time.time()
-        self.wake(["weights"])
+        self._wake_for_load()
         dt = getattr(torch, self.dtype)
         if transport == "rpc":
             name_of = str(dt).removeprefix("torch.")
@@ -606,7 +659,7 @@ class VLLMBackend:
         from safetensors import safe_open
 
         t0 = time.time()
-        self.wake(["weights"])
+        self._wake_for_load()
         with ExitStack() as stack:
             entries = []
             for f in safetensors_files(model_dir):
@@ -631,7 +684,7 @@ class VLLMBackend:
         (the learner's ``(name, tensor)`` pairs), else exported to a temp folder and reloaded from it. A sleeping
         engine (sleep mode) wakes its weights first, takes the new ones, then wakes its KV cache."""
         t0 = time.time()
-        self.wake(["weights"])
+        self._wake_for_load()
         if self.named_weights is not None:
             self.push_weights(self.named_weights(), self.transport)
         elif self.export_weights is not None:
@@ -791,7 +844,8 @@ def engine_settings(cfg, model_dir: str, eos_token_id: int, kv_cache_bytes: int)
             "kv_cache_bytes": int(kv_cache_bytes), "prefix_caching": True,
             "gpu_memory_utilization": float(r.gpu_memory_utilization),
             "tensor_parallel_size": int(r.tensor_parallel_size), "sleep_mode": sleep_mode_for(cfg),
-            "release_kv": release_kv_for(cfg), "in_process": engine_in_process(cfg)}
+            "release_kv": release_kv_for(cfg), "release_weights": release_weights_for(cfg),
+            "in_process": engine_in_process(cfg)}
 
 
 def check_gpu_settings(cpu_build: bool, tensor_parallel_size: int, sleep_mode: bool, in_process: bool) -> None:
@@ -829,6 +883,12 @@ def release_kv_for(cfg) -> bool:
     """Whether a ``RunConfig``'s engine hands its KV cache's memory back while the learner updates: the CPU build
     (no sleep mode there) unless ``rollout.vllm_release_kv`` is off."""
     return bool(cfg.rollout.vllm_release_kv) and is_cpu_build() and not sleep_mode_for(cfg)
+
+
+def release_weights_for(cfg) -> bool:
+    """Whether a ``RunConfig``'s engine also drops its packed weight copies while the learner updates (rebuilt by
+    the sync's load): with the KV release, unless ``rollout.vllm_release_weights`` is off."""
+    return release_kv_for(cfg) and bool(cfg.rollout.vllm_release_weights)
 
 
 def engine_in_process(cfg) -> bool:
@@ -973,7 +1033,8 @@ def _start_engine(cfg, model_dir: str, tokenizer, learner, dtype: str, plan) -> 
                           max_model_len=r.token_budget + 1, seed=cfg.seed, threads=cfg.model.threads,
                           kv_cache_gb=plan.cache_bytes / GiB, gpu_memory_utilization=r.gpu_memory_utilization,
                           tensor_parallel_size=r.tensor_parallel_size, sleep_mode=sleep_mode_for(cfg),
-                          release_kv=release_kv_for(cfg), export_weights=export_fn(learner),
+                          release_kv=release_kv_for(cfg), release_weights=release_weights_for(cfg),
+                          export_weights=export_fn(learner),
                           named_weights=named_weights_fn(learner), in_process=in_process)
     if plan.capped and is_cpu_build():
         backend.max_live_episodes = plan.live_cap
