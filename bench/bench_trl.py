@@ -79,6 +79,7 @@ def run_ours(steps: int, engine: str, in_process: bool = False) -> dict:
     from runtime.backends.hardware import resolve_bf16, resolve_vllm_dtype
     from runtime.backends.learner import LearnerConfig, TorchLearner
     from runtime.backends.model import resolve_model
+    from runtime.memory import trim_heap
 
     torch.manual_seed(0)
     path = resolve_model("smollm2-135m")
@@ -133,7 +134,9 @@ def run_ours(steps: int, engine: str, in_process: bool = False) -> dict:
             backend.sleep()
         learner.update(trajs, advs, prepared=prepared)
         t3 = time.time()
+        trim_heap()  # as the product's update task: the update's freed heap goes back before the sync
         backend.sync_weights()
+        trim_heap()
         t4 = time.time()
         times.append(t4 - t0)
         for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):

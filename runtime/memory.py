@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import mmap
 
 
 @functools.lru_cache(maxsize=1)
@@ -49,7 +50,7 @@ def _madvise():
 
 
 MADV_DONTNEED = 4  # Linux
-PAGE = 4096
+PAGE = mmap.PAGESIZE
 
 
 def zero_pages(ptr: int, nbytes: int) -> int:

@@ -63,7 +63,7 @@ def test_zero_pages_zeroes_the_range_without_making_it_resident():
     resident (they are mapped again, zeroed, on their next touch)."""
     import torch
 
-    from runtime.memory import zero_pages
+    from runtime.memory import PAGE, zero_pages
 
     n = (64 << 20) + 123
     buf = torch.full((n,), 7, dtype=torch.uint8)  # written: resident
@@ -71,7 +71,7 @@ def test_zero_pages_zeroes_the_range_without_making_it_resident():
     before = _rss()
     dropped = zero_pages(buf.data_ptr() + start, length)
     after = _rss()
-    assert dropped >= length - 2 * 4096 and dropped % 4096 == 0
+    assert dropped >= length - 2 * PAGE and dropped % PAGE == 0
     assert before - after > 0.9 * dropped, (before, after, dropped)
     assert int(buf[start:start + length].count_nonzero()) == 0
     assert bool((buf[:start] == 7).all()) and bool((buf[start + length:] == 7).all())

@@ -542,7 +542,9 @@ class VLLMBackend:
 
     def wake(self, tags: list[str] | None = None) -> None:
         """Wake a sleeping engine (``LLM.wake_up``): all of it (``tags`` None), or only those of ``["weights"]`` /
-        ``["kv_cache"]`` still asleep (each allocation is woken once); the engine schedules again once all are."""
+        ``["kv_cache"]`` still asleep (each allocation is woken once); the engine schedules again once all are.
+        Released CPU weights (``release_weights``) come back with a weight load only: waking all of the engine
+        before one loads the learner's weights (``named_weights``), and is refused without them."""
         if not self._asleep_tags or self._llm is None:
             return
         want = set(self._asleep_tags) if tags is None else set(tags) & self._asleep_tags
