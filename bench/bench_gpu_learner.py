@@ -123,7 +123,7 @@ def run_shape(path: Path, shape: str, work: dict, steps: int, micro_batch_tokens
               flush=True)
     tokens = sum(len(t.token_ids) for t in trajs)
     policy = sum(sum(t.loss_mask) for t in trajs)
-    opt_bytes = sum(t.nbytes for st in learner.opt.state.values() for t in st.values() if torch.is_tensor(t))
+    opt_bytes = learner.optimizer_state_bytes()
     prep_s = sum(a for a, _ in times) / len(times)
     upd_s = sum(b for _, b in times) / len(times)
     row = {"shape": shape, "params_m": round(params / 1e6, 1), "sequences": len(trajs), "tokens_per_step": tokens,

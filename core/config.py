@@ -139,9 +139,10 @@ class RolloutConfig(_Strict):
     vllm_kv_budget_gb: float = Field(
         1.0, gt=0, description="vLLM CPU: the most memory (GiB) the KV cache sized from the batch may take; when "
                                "the batch needs more, live episodes are capped to what fits (a warning says so). "
-                               "The cache is resident whole, except during updates (vllm_release_kv). 1 GiB holds "
-                               "29 episodes of 1,536 tokens in bf16 (SmolLM2-135M): on 2 CPU cores more live "
-                               "episodes generate no faster (the smoke demo with 17 was 4 % faster than with 60).")
+                               "The cache is resident whole once the engine starts (and after each update only as "
+                               "far as rollouts fill it again: vllm_release_kv). 1 GiB holds 29 episodes of 1,536 "
+                               "tokens in bf16 (SmolLM2-135M): on 2 CPU cores more live episodes generate no faster "
+                               "(the smoke demo with 17 was 4 % faster than with 60).")
     vllm_in_process: bool | None = Field(
         None, description="vLLM: run the engine core and its worker inside the trainer's process (no engine or "
                           "worker process: ~1 GiB less memory on the smoke run, a faster engine start) instead of "
@@ -149,8 +150,9 @@ class RolloutConfig(_Strict):
                           "group). None: in-process on the CPU build with the torch learner, else child processes.")
     vllm_release_kv: bool = Field(
         True, description="vLLM CPU build: the KV cache's memory goes back to the OS while the learner updates and "
-                          "comes back zeroed after the weight sync (the CPU build has no sleep mode; 1 GiB less "
-                          "resident during the update at the default budget). Ignored on GPUs (see vllm_sleep).")
+                          "comes back zeroed after the weight sync, resident again page by page as rollouts fill it "
+                          "(the CPU build has no sleep mode; 1 GiB less resident during the update at the default "
+                          "budget). Ignored on GPUs (see vllm_sleep).")
     vllm_release_weights: bool = Field(
         True, description="vLLM CPU build, with vllm_release_kv: the packed weight copies the engine's linear layers "
                           "run on are dropped too while the learner updates (0.25 GiB for SmolLM2-135M in bf16); the "

@@ -18,16 +18,26 @@ import mmap
 
 
 @functools.lru_cache(maxsize=1)
+def _libc():
+    """The C library, or None where it cannot be loaded."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+def _libc_fn(name: str, argtypes: list, restype):
+    """The C library's function ``name`` with its signature set, or None where the library has none."""
+    fn = getattr(_libc(), name, None)
+    if fn is not None:
+        fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
+@functools.lru_cache(maxsize=1)
 def _malloc_trim():
     """glibc's ``malloc_trim``, or None where the C library has none."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        fn = libc.malloc_trim
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
-    return fn
+    return _libc_fn("malloc_trim", [ctypes.c_size_t], ctypes.c_int)
 
 
 def trim_heap() -> bool:
@@ -40,13 +50,7 @@ def trim_heap() -> bool:
 @functools.lru_cache(maxsize=1)
 def _madvise():
     """libc's ``madvise``, or None where there is none."""
-    name = ctypes.util.find_library("c")
-    try:
-        fn = ctypes.CDLL(name or "libc.so.6", use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return fn
+    return _libc_fn("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int)
 
 
 MADV_DONTNEED = 4  # Linux

@@ -286,6 +286,7 @@ def test_cuda_adamw8bit_tracks_adamw():
 
     from runtime.backends.learner import LearnerConfig, TorchLearner
     from runtime.backends.model import resolve_model
+    from tests.grads import cosine_and_norm_ratio, weight_moves
 
     path = os.environ.get("SCALINGINTER_TEST_MODEL") or resolve_model("smollm2-135m")
     moved, state_bytes = {}, {}
@@ -294,20 +295,13 @@ def test_cuda_adamw8bit_tracks_adamw():
         learner = TorchLearner(path, LearnerConfig(lr=1e-4, kl_coef=0.0, micro_batch_size=4, bf16_autocast=False,
                                                    device="cuda", optimizer=opt))
         assert next(learner.model.parameters()).device.type == "cuda"
-        start = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
-        trajs, advs = _batch()
-        for _ in range(4):
-            learner.update(trajs, advs, prepared=learner.prepare(trajs))
-        moved[opt] = torch.cat([(p.detach() - start[n]).flatten().double()  # fp64: 135M-term dot products
-                                for n, p in learner.model.named_parameters()])
+        moved[opt] = weight_moves(learner, *_batch())
         state = [t for st in learner.opt.state.values() for t in st.values() if torch.is_tensor(t)]
         assert all(t.device.type == "cuda" for t in state if t.numel() > 1), opt
-        state_bytes[opt] = sum(t.nbytes for t in state)
-        del learner, start
+        state_bytes[opt] = learner.optimizer_state_bytes()
+        del learner, state
         torch.cuda.empty_cache()
-    a, b = moved["adamw"], moved["adamw8bit"]
-    cos = float(torch.dot(a, b) / (a.norm() * b.norm()))
-    ratio = float(b.norm() / a.norm())
+    cos, ratio = cosine_and_norm_ratio(moved["adamw"], moved["adamw8bit"])
     print(f"\nadamw8bit vs adamw on CUDA, 4 updates: weight-change cosine {cos:.4f}, norm ratio {ratio:.4f}; "
           f"optimizer state {state_bytes['adamw8bit'] / 2**20:.1f} MiB vs {state_bytes['adamw'] / 2**20:.1f} MiB")
     assert cos > 0.98 and abs(ratio - 1) < 0.1, (cos, ratio)

@@ -648,6 +648,10 @@ class TorchLearner:
         return float(gn)
 
     # -- weights and checkpoints ---------------------------------------------------------------------------
+    def optimizer_state_bytes(self) -> int:
+        """The bytes the policy's optimizer state holds now (moments, and the 8-bit optimizer's scales)."""
+        return sum(t.nbytes for st in self.opt.state.values() for t in st.values() if torch.is_tensor(t))
+
     def save_weights(self, directory: Path) -> None:
         self.model.save_pretrained(directory)
 
