@@ -77,6 +77,7 @@ def run_ours(steps: int, engine: str, in_process: bool = False) -> dict:
     from core.trajectory import Trajectory
     from runtime.backends.generation import SamplingParams, TransformersBackend
     from runtime.backends.hardware import resolve_bf16, resolve_vllm_dtype
+    from core.config import AlgoConfig
     from runtime.backends.learner import LearnerConfig, TorchLearner
     from runtime.backends.model import resolve_model
     from runtime.memory import trim_heap
@@ -86,8 +87,10 @@ def run_ours(steps: int, engine: str, in_process: bool = False) -> dict:
     tok = AutoTokenizer.from_pretrained(path)
     chat = ChatFormat.from_tokenizer(tok)
     bf16 = resolve_bf16(None)
+    pad = AlgoConfig.model_fields["pad_to_multiple_of"].default  # the product's default bucketing of lengths
     learner = TorchLearner(path, LearnerConfig(lr=LR, kl_coef=KL, micro_batch_size=MICRO, bf16_autocast=bf16,
-                                               temperature=1.0, optimizer=OPTIMIZER), reference_path=path)
+                                               temperature=1.0, optimizer=OPTIMIZER, pad_to_multiple_of=pad),
+                           reference_path=path)
     if engine == "vllm":
         from runtime.backends.vllm_backend import VLLMBackend, export_fn, is_cpu_build, named_weights_fn
 

@@ -323,6 +323,50 @@ def test_chunked_logprobs_give_the_same_update(tiny_model_dir, bf16):
                 assert torch.allclose(ga[k], gb[k], atol=1e-5, rtol=1e-4), (k, float((ga[k] - gb[k]).abs().max()))
 
 
+def test_padded_lengths_give_the_same_update(tiny_model_dir):
+    """Forwards on lengths rounded up to a multiple (``algo.pad_to_multiple_of``: right padding, and a shared prompt
+    cut down to a multiple, its cut tokens run with each row's rest) give the plain forwards' log-probs, entropies,
+    loss and gradients (fp32, 1e-5), with and without the shared prompt; and the forwards really ran only bucketed
+    widths, the shared prompt still shared."""
+    from core.advantages import pad_rows
+
+    runs, widths = {}, {}
+    for multiple in (1, 7):
+        for share in (True, False):
+            learner = TorchLearner(tiny_model_dir, LearnerConfig(lr=1e-2, kl_coef=0.0, micro_batch_size=8,
+                                                                 bf16_autocast=False, share_prefix=share,
+                                                                 pad_to_multiple_of=multiple))
+            trajs, advs = _fixed_batch(learner.tokenizer)
+            trajs[5].token_ids = trajs[5].token_ids[:-1]  # rows of different lengths (padding inside a group)
+            trajs[5].loss_mask, trajs[5].logprobs = trajs[5].loss_mask[:-1], trajs[5].logprobs[:-1]
+            advs[5] = advs[5][:-1]
+            seqs, masks, groups = [t.token_ids for t in trajs], [t.loss_mask for t in trajs], [t.group_id for t in trajs]
+            assert len({len(x) for x in seqs}) == 2 and max(map(len, seqs)) % 7  # the padding pads for real
+            seen = []
+            base = learner.model.model
+            real = base.forward
+            base.forward = lambda *a, **k: (seen.append((k["input_ids"].shape[1], k.get("past_key_values")
+                                                        is not None)), real(*a, **k))[1]
+            ids, att = learner._pad(seqs)
+            need = pad_rows(masks, ids.shape[1]).bool()
+            logp, ent = learner._token_logp(learner.model, ids, att, with_entropy=True, need=need, groups=groups)
+            before = learner.sequence_logprobs(seqs, masks=masks, groups=groups)
+            grads = record_grads(learner)
+            st = learner.update(trajs, advs, prepared=learner.prepare(trajs))
+            runs[multiple, share], widths[multiple, share] = (logp.detach(), ent, grads, st["loss"], before), seen
+    assert all(w % 7 == 0 for w, _ in widths[7, True] + widths[7, False])
+    assert any(cached for _, cached in widths[7, True]) and not any(cached for _, cached in widths[7, False])
+    assert any(w % 7 for w, _ in widths[1, True] + widths[1, False])
+    for share in (True, False):
+        (la, ea, ga, lossa, sa), (lb, eb, gb, lossb, sb) = runs[7, share], runs[1, share]
+        assert torch.allclose(la, lb, atol=1e-5) and torch.allclose(ea, eb, atol=1e-5)
+        assert lossa == pytest.approx(lossb, rel=1e-5, abs=1e-7)
+        assert all(abs(x - y) < 1e-5 for r1, r2 in zip(sa, sb) for x, y in zip(r1, r2))
+        assert any(gb[k].abs().sum() > 0 for k in gb)
+        for k in ga:
+            assert torch.allclose(ga[k], gb[k], atol=1e-5, rtol=1e-4), (k, float((ga[k] - gb[k]).abs().max()))
+
+
 def test_activation_checkpointing_gives_the_same_update(tiny_model_dir):
     """Checkpointed decoder layers (every layer, every 2nd) recompute their activations in the backward pass: the
     same loss and gradients as keeping them (fp32, 1e-5), and the layers really are checkpointed."""

@@ -50,6 +50,7 @@ class LearnerConfig:
     share_prefix: bool = True  # a group's common prompt runs once per forward (core.prefix)
     min_shared_prefix: int = 16
     logprob_chunk: int = 512  # policy positions projected onto the vocabulary at once (0: all at once)
+    pad_to_multiple_of: int = 1  # forwards run on lengths rounded up to this (few distinct matmul shapes)
     activation_checkpointing: int = 0  # N > 0: every N-th decoder layer recomputes its activations in the backward
     activation_checkpointing_min_tokens: int = 0  # > 0: only micro-batches of at least this many padded tokens do
     device: str = "auto"  # model.device: auto (CUDA when available, else CPU), cpu, cuda, cuda:N
@@ -279,8 +280,9 @@ class TorchLearner:
             seqs = [ids[r, :n].tolist() for r, n in enumerate(lens)]
             masks = [need[r, :n].int().tolist() for r, n in enumerate(lens)]
             blocks = plan_shared_prefixes(seqs, masks, groups, self.cfg.min_shared_prefix)
+        blocks = [self._bucket_prefix(b) for b in blocks]
         if not any(b.prefix_len for b in blocks):
-            return core.base_model(input_ids=ids, attention_mask=att).last_hidden_state[:, :-1]
+            return self._plain_hidden(core, ids, att)
         T = ids.shape[1]
         parts, order = [], []
         for b in blocks:
@@ -288,22 +290,55 @@ class TorchLearner:
             width = max(lens[r] for r in rows)
             sub_ids, sub_att = ids[rows, :width], att[rows, :width]
             if b.prefix_len == 0:
-                h = core.base_model(input_ids=sub_ids, attention_mask=sub_att).last_hidden_state[:, :-1]
+                h = self._plain_hidden(core, sub_ids, sub_att)
             else:
                 L, G = b.prefix_len, len(rows)
                 pre = core.base_model(input_ids=sub_ids[:1, :L], use_cache=True)
                 cache = pre.past_key_values
                 cache.batch_repeat_interleave(G)
-                rest = core.base_model(input_ids=sub_ids[:, L:], attention_mask=sub_att, past_key_values=cache,
+                rest_ids, rest_att = self._padded(sub_ids[:, L:], sub_att, width - L)
+                rest = core.base_model(input_ids=rest_ids, attention_mask=rest_att, past_key_values=cache,
                                        use_cache=True).last_hidden_state
                 last = pre.last_hidden_state[:, L - 1:L].expand(G, 1, -1)
-                h = torch.cat([last.new_zeros((G, L - 1, last.shape[-1])), last, rest[:, :-1]], dim=1)
+                h = torch.cat([last.new_zeros((G, L - 1, last.shape[-1])), last, rest[:, :width - L - 1]], dim=1)
             parts.append(torch.nn.functional.pad(h, (0, 0, 0, T - width)))
             order += rows
         h = torch.cat(parts)
         inverse = torch.empty(len(order), dtype=torch.long)
         inverse[torch.tensor(order)] = torch.arange(len(order))
         return h[inverse.to(h.device)]
+
+    def _bucket_len(self, n: int) -> int:
+        """``n`` rounded up to a multiple of ``pad_to_multiple_of``."""
+        m = self.cfg.pad_to_multiple_of
+        return -(-n // m) * m if m > 1 else n
+
+    def _padded(self, ids: torch.Tensor, att: torch.Tensor, n: int):
+        """``ids`` ([B, n] tokens) and ``att`` (their attention mask, possibly with more columns in front: a cached
+        prefix) padded on the right to a bucketed length. Causal attention keeps the padding out of every real
+        position's output, so only the shapes change: the CPU's matmul library (oneDNN) keeps a compiled kernel and
+        its buffers per shape, and a heap that serves ever new sizes fragments (issue 31: held memory grew with
+        every new set of sequence lengths)."""
+        extra = self._bucket_len(n) - n
+        if extra:
+            ids = torch.nn.functional.pad(ids, (0, extra), value=self.pad_id)
+            att = torch.nn.functional.pad(att, (0, extra), value=0)
+        return ids, att
+
+    def _plain_hidden(self, core, ids, att):
+        """The last hidden states predicting tokens 1..T-1 of ``ids`` ([B, T]), one forward, bucketed length."""
+        T = ids.shape[1]
+        ids, att = self._padded(ids, att, T)
+        return core.base_model(input_ids=ids, attention_mask=att).last_hidden_state[:, :T - 1]
+
+    def _bucket_prefix(self, b):
+        """A shared-prefix block with its prefix cut down to a multiple of ``pad_to_multiple_of`` (the rest of each
+        row then runs the cut tokens; 0: no sharing), so the prefix's forward sees bucketed shapes too."""
+        m = self.cfg.pad_to_multiple_of
+        if m <= 1 or not b.prefix_len:
+            return b
+        cut = b.prefix_len // m * m
+        return dataclasses.replace(b, prefix_len=cut if cut >= self.cfg.min_shared_prefix else 0)
 
     def _token_logp(self, model, ids, att, with_entropy: bool = False, need: torch.Tensor | None = None,
                     groups: list[int] | None = None):
