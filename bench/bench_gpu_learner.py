@@ -94,7 +94,7 @@ def trajectories(vocab: int, groups: int, samples: int, prompt: int, turns: int,
 
 
 def run_shape(path: Path, shape: str, work: dict, steps: int, micro_batch_tokens: int, optimizer: str = "adamw",
-              activation_checkpointing: int = 0) -> dict:
+              activation_checkpointing: int = 0, pad_to_multiple_of: int | None = None) -> dict:
     import torch
 
     from runtime.backends.learner import LearnerConfig, TorchLearner
@@ -103,7 +103,8 @@ def run_shape(path: Path, shape: str, work: dict, steps: int, micro_batch_tokens
     learner = TorchLearner(str(path), LearnerConfig(lr=1e-6, kl_coef=0.001, micro_batch_size=64,
                                                     micro_batch_tokens=micro_batch_tokens, bf16_autocast=True,
                                                     device="cuda", optimizer=optimizer,
-                                                    activation_checkpointing=activation_checkpointing))
+                                                    activation_checkpointing=activation_checkpointing,
+                                                    pad_to_multiple_of=pad_to_multiple_of))
     params = sum(p.numel() for p in learner.model.parameters())
     vocab = min(learner.tokenizer.vocab_size, SHAPES[shape]["vocab_size"])
     times = []
@@ -131,7 +132,8 @@ def run_shape(path: Path, shape: str, work: dict, steps: int, micro_batch_tokens
            "learner_tokens_per_s": round(tokens / (prep_s + upd_s)),
            "peak_gpu_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
            "micro_batch_tokens": micro_batch_tokens, "optimizer": optimizer,
-           "activation_checkpointing": activation_checkpointing, "optimizer_state_gib": round(opt_bytes / 2**30, 2)}
+           "activation_checkpointing": activation_checkpointing, "optimizer_state_gib": round(opt_bytes / 2**30, 2),
+           "pad_to_multiple_of": learner.cfg.pad_to_multiple_of}
     del learner
     torch.cuda.empty_cache()
     return row
@@ -149,8 +151,15 @@ def main() -> None:
                     help="the learner's optimizer (adamw8bit needs bitsandbytes)")
     ap.add_argument("--activation-checkpointing", type=int, default=0, metavar="N",
                     help="every N-th decoder layer recomputes its activations in the backward (0: off, 1: every layer)")
+    ap.add_argument("--pad-to-multiple-of", type=int, default=None, metavar="M",
+                    help="forwards run on lengths rounded up to a multiple of M (default: the product's "
+                         "algo.pad_to_multiple_of default, exact lengths on a GPU; 1: exact lengths)")
     a = ap.parse_args()
     import torch
+
+    pad = a.pad_to_multiple_of
+    if pad is not None and pad < 1:
+        raise SystemExit("--pad-to-multiple-of M needs M >= 1 (1: exact lengths)")
 
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu_learner: torch sees no CUDA GPU; this benchmark measures the learner on one")
@@ -162,14 +171,15 @@ def main() -> None:
         raise SystemExit("--activation-checkpointing N needs N >= 0 (0: off)")
     gpu = torch.cuda.get_device_name(0)
     print(f"GPU {gpu}; torch {torch.__version__}; workload {a.workload} {WORKLOADS[a.workload]}; "
-          f"optimizer {a.optimizer}; activation checkpointing every {a.activation_checkpointing or '-'} layer(s)",
+          f"optimizer {a.optimizer}; activation checkpointing every {a.activation_checkpointing or '-'} layer(s); "
+          f"lengths padded to a multiple of {pad or 'the default'}",
           flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for shape in shapes:
             path = build_model(shape, Path(a.tokenizer), Path(tmp))
             rows.append(run_shape(path, shape, WORKLOADS[a.workload], a.steps, a.micro_batch_tokens, a.optimizer,
-                                  a.activation_checkpointing))
+                                  a.activation_checkpointing, pad))
             r = rows[-1]
             print(f"{shape:>13} ({r['params_m']}M): {r['sequences']} seqs, {r['tokens_per_step']} tokens/step, "
                   f"prepare {r['prepare_s']:.2f} s + update {r['update_s']:.2f} s -> "
@@ -180,7 +190,8 @@ def main() -> None:
     if a.out:
         Path(a.out).write_text(json.dumps({"gpu": gpu, "torch": torch.__version__, "workload": a.workload,
                                            "workload_shape": WORKLOADS[a.workload], "optimizer": a.optimizer,
-                                           "activation_checkpointing": a.activation_checkpointing, "rows": rows},
+                                           "activation_checkpointing": a.activation_checkpointing,
+                                           "rows": rows},
                                           indent=2))
 
 

@@ -33,9 +33,10 @@ sys.path.insert(0, str(ROOT))
 GiB = 2**30
 
 
-def tree_rss(root) -> list[int]:
+def tree_rss(root, labelled: bool = False) -> list:
     """RSS of ``root`` (a psutil.Process) and of each process under it, root first; processes that end while read
-    are left out ([] when the root itself is gone)."""
+    are left out ([] when the root itself is gone). ``labelled``: ``(label, rss)`` pairs, the label naming the
+    process (``name:pid`` and what it runs)."""
     import psutil
 
     try:
@@ -45,10 +46,21 @@ def tree_rss(root) -> list[int]:
     rss = []
     for q in procs:
         try:
-            rss.append(q.memory_info().rss)
+            r = q.memory_info().rss
+            rss.append((_label(q), r) if labelled else r)
         except psutil.Error:
             pass
     return rss
+
+
+def _label(q) -> str:
+    """``name:pid`` and the first arguments that say what a process runs (a module, a script)."""
+    try:
+        args = q.cmdline()[1:]
+    except Exception:  # noqa: BLE001 - the process may be gone or a zombie
+        args = []
+    what = " ".join(Path(x).name if "/" in x else x for x in args[:3])[:60]
+    return f"{q.name()}:{q.pid}" + (f" ({what})" if what else "")
 
 
 class TreeSampler:
@@ -110,12 +122,18 @@ def run_demo(a) -> None:
     samples: list[tuple[float, int, int]] = []  # (t, tree rss, largest process rss)
     done = threading.Event()
 
+    at_peak: list = []  # the processes' RSS when the tree's was highest
+
     def sample() -> None:
+        top = 0
         while not done.is_set():
-            rss = tree_rss(proc)
+            rss = tree_rss(proc, labelled=True)
             if not rss:
                 break
-            samples.append((time.time() - t0, sum(rss), max(rss)))
+            total = sum(r for _, r in rss)
+            samples.append((time.time() - t0, total, max(r for _, r in rss)))
+            if total > top:
+                top, at_peak[:] = total, rss
             time.sleep(0.02)
 
     th = threading.Thread(target=sample, daemon=True)
@@ -157,12 +175,16 @@ def run_demo(a) -> None:
     print(f"\nexit {rc}; wall {wall:.0f} s; whole tree's peak {whole:.2f} GiB; largest process's max RSS "
           f"{largest / GiB:.2f} GiB ({a.env} {a.preset}{' ' + ' '.join(a.sets) if a.sets else ''}; cpu flags "
           f"{' '.join(flags) or 'none'})")
+    peak_t = max(samples, key=lambda x: x[1])[0] if samples else 0.0
+    print(f"at the tree's peak ({peak_t:.1f} s): " + ", ".join(f"{lab} {r / GiB:.2f}" for lab, r in at_peak))
     if a.out:
         Path(a.out).write_text(json.dumps({"mode": "demo", "repo": str(repo), "commit": _commit(repo),
                                            "env": a.env, "preset": a.preset, "sets": a.sets,
                                            "cpu_flags": flags, "exit": rc, "wall_s": round(wall, 1),
                                            "peak_tree_rss_gib": round(whole, 3),
                                            "largest_process_max_rss_gib": round(largest / GiB, 3),
+                                           "peak_t_s": round(peak_t, 2),
+                                           "rss_at_peak_gib": {lab: round(r / GiB, 3) for lab, r in at_peak},
                                            "stages": stages,
                                            "samples": [(round(t, 2), round(tr / GiB, 3)) for t, tr, _ in
                                                        samples[::25]]}, indent=1))

@@ -189,21 +189,22 @@ def test_cpu_release_kv_frees_the_cache_for_the_update_and_restores_it_after_the
 
 
 def test_cpu_release_weights_drops_the_packed_copies_until_the_sync_loads_new_ones():
-    """With ``release_weights`` the worker also drops its packed weights before the update; the sync's load rebuilds
-    them (no separate restore), then the KV cache comes back. Generation without a sync in between loads the
+    """With ``release_weights`` the worker also drops its packed weights and parameters before the update; the sync
+    gives the parameters their memory back, its load fills them and rebuilds the packed copies, then the KV cache
+    comes back. Generation without a sync in between loads the
     learner's weights first; with no learner to take them from it is refused with the fix."""
     b = _fake_backend(sleep_mode=False, release_kv=True, release_weights=True)
     assert b.sleep() is True and b._asleep_tags == {"kv_cache", "cpu_weights"}
     b.sync_weights()
     names = [c[1] if c[0] == "rpc" else c[0] for c in b._llm.calls]
-    assert names == ["release_kv_cache", "release_cpu_weights", "load_named_tensors", "reset_prefix_cache",
-                     "restore_kv_cache", "reset_prefix_cache"]
+    assert names == ["release_kv_cache", "release_cpu_weights", "restore_cpu_params", "load_named_tensors",
+                     "reset_prefix_cache", "restore_kv_cache", "reset_prefix_cache"]
     assert not b.asleep
     b.sleep()
     b.wake()  # generation right after an update without its sync: the learner's weights are loaded first
     names = [c[1] if c[0] == "rpc" else c[0] for c in b._llm.calls[len(names):]]
-    assert names == ["release_kv_cache", "release_cpu_weights", "load_named_tensors", "reset_prefix_cache",
-                     "restore_kv_cache", "reset_prefix_cache"] and not b.asleep
+    assert names == ["release_kv_cache", "release_cpu_weights", "restore_cpu_params", "load_named_tensors",
+                     "reset_prefix_cache", "restore_kv_cache", "reset_prefix_cache"] and not b.asleep
     b.named_weights = None
     b.sleep()
     with pytest.raises(RuntimeError, match="sync_weights"):
@@ -238,7 +239,8 @@ def _rel(a, b) -> float:
 @needs_cuda
 def test_cuda_learner_matches_cpu_learner():
     """One update at lr 0 (its gradients recorded at the optimizer step; AdamW with lr 0 leaves the weights): the CUDA
-    learner's loss and gradients are the CPU learner's, in fp32 tightly and under bf16 autocast within bf16 noise."""
+    learner's loss and gradients are the CPU learner's, in fp32 tightly (also with lengths padded to a multiple of 64:
+    algo.pad_to_multiple_of) and under bf16 autocast within bf16 noise."""
     from runtime.backends.learner import LearnerConfig, TorchLearner
     from runtime.backends.model import resolve_model
     from tests.grads import record_grads
@@ -256,15 +258,16 @@ def test_cuda_learner_matches_cpu_learner():
     bf16_norm = abs(s_cpu_bf16["grad_norm"] - s_cpu["grad_norm"]) / s_cpu["grad_norm"]
     print(f"\nCPU bf16 vs fp32: grad rel diff {bf16_noise:.2e}, grad norm rel diff {bf16_norm:.2e}")
     del cpu_bf16
-    for bf16, grad_tol, loss_tol in ((False, 1e-4, 1e-4), (True, max(2 * bf16_noise, 2e-2), 1e-2)):
-        gpu = TorchLearner(path, LearnerConfig(bf16_autocast=bf16, device="cuda", **kw))
+    for bf16, pad, grad_tol, loss_tol in ((False, 1, 1e-4, 1e-4), (False, 64, 1e-4, 1e-4),
+                                          (True, 1, max(2 * bf16_noise, 2e-2), 1e-2)):
+        gpu = TorchLearner(path, LearnerConfig(bf16_autocast=bf16, device="cuda", pad_to_multiple_of=pad, **kw))
         assert next(gpu.model.parameters()).device.type == "cuda" and gpu.ref is not None
         assert next(gpu.ref.parameters()).device.type == "cuda"
         g_gpu = record_grads(gpu)
         s_gpu = gpu.update(*_batch())
         assert set(g_gpu) == set(g_cpu)
         rel = _rel(g_gpu, g_cpu)
-        print(f"\nbf16={bf16}: loss cpu {s_cpu['loss']:.6f} cuda {s_gpu['loss']:.6f}; grad rel diff {rel:.2e}; "
+        print(f"\nbf16={bf16}, pad {pad}: loss cpu {s_cpu['loss']:.6f} cuda {s_gpu['loss']:.6f}; grad rel diff {rel:.2e}; "
               f"grad norm cpu {s_cpu['grad_norm']:.4f} cuda {s_gpu['grad_norm']:.4f}")
         assert abs(s_gpu["loss"] - s_cpu["loss"]) <= loss_tol * max(1.0, abs(s_cpu["loss"]))
         assert rel < grad_tol

@@ -365,6 +365,9 @@ def test_padded_lengths_give_the_same_update(tiny_model_dir):
         assert any(gb[k].abs().sum() > 0 for k in gb)
         for k in ga:
             assert torch.allclose(ga[k], gb[k], atol=1e-5, rtol=1e-4), (k, float((ga[k] - gb[k]).abs().max()))
+    # the run config's default (None) pads on the CPU
+    auto = TorchLearner(tiny_model_dir, LearnerConfig(device="cpu", pad_to_multiple_of=None))
+    assert auto.cfg.pad_to_multiple_of == 64
 
 
 def test_activation_checkpointing_gives_the_same_update(tiny_model_dir):

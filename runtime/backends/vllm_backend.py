@@ -262,22 +262,47 @@ class WorkerExtension:
         return n
 
     def release_cpu_weights(self) -> int:
-        """CPU build: drop the packed weight copies the linear layers' GEMMs (and the output head's) run on; their
-        memory goes back to the OS. The next weight load rebuilds them (vLLM's in-place reload runs each layer's
-        post-load processing again, ``refresh_cpu_heads`` re-packs the head); until then a forward pass raises.
-        Returns how many layers released theirs."""
+        """CPU build: drop the packed weight copies the linear layers' GEMMs (and the output head's) run on, and the
+        parameters' storages (vLLM's CPU build keeps the linear layers' weights only packed: what is left is the
+        embedding, 56 MiB for SmolLM2-135M in bf16, and the norms; the next load overwrites every one);
+        their memory goes back to the OS. The next weight load gets the parameters back (``restore_cpu_params``)
+        and rebuilds the packed copies (vLLM's in-place reload runs each layer's post-load processing again,
+        ``refresh_cpu_heads`` re-packs the head); until then a forward pass raises. Returns how many layers
+        released theirs."""
         import torch
 
         from runtime.memory import trim_heap
 
         n = 0
-        for mod in self.model_runner.model.modules():
+        model = self.model_runner.model
+        for mod in model.modules():
             gemm = getattr(mod, "cpu_linear", None)
             if gemm is not None and gemm is not _released_gemm and gemm is not torch.nn.functional.linear:
                 mod.cpu_linear = _released_gemm  # the closure over the packed copy goes: the copy is freed
                 n += 1
+        if n:  # the parameters too (the load overwrites every one): storages to 0 bytes, given back by the load
+            kept = getattr(self, "_released_params", None) or []
+            seen = {st.data_ptr() for st, _ in kept}
+            for p in model.parameters():
+                st = p.untyped_storage()
+                if st.nbytes() and st.data_ptr() not in seen:
+                    seen.add(st.data_ptr())
+                    kept.append((st, st.nbytes()))
+                    st.resize_(0)
+            self._released_params = kept
         trim_heap()
         return n
+
+    def restore_cpu_params(self) -> int:
+        """Before a weight load: the parameters ``release_cpu_weights`` released get their memory back (zeroed, page
+        by page as written: the load overwrites all of them). Returns the bytes restored."""
+        from runtime.memory import zero_pages
+
+        kept, self._released_params = getattr(self, "_released_params", None) or [], []
+        for st, n in kept:
+            st.resize_(n)
+            zero_pages(st.data_ptr(), n)
+        return sum(n for _, n in kept)
 
 
 def _released_gemm(x, weight, bias):
@@ -534,8 +559,10 @@ class VLLMBackend:
 
     def _wake_for_load(self) -> None:
         """Before a weight load: sleep mode wakes the weights it offloaded (the load overwrites them); released CPU
-        weights need nothing (the load rebuilds them: the worker refuses a load that leaves a layer out)."""
+        weights get their parameters' memory back (zeroed), the load fills them and rebuilds the packed copies (the
+        worker refuses a load that leaves a layer out)."""
         if "cpu_weights" in self._asleep_tags:
+            self._llm.collective_rpc("restore_cpu_params")
             self._asleep_tags.discard("cpu_weights")
         else:
             self.wake(["weights"])
