@@ -94,7 +94,7 @@ def trajectories(vocab: int, groups: int, samples: int, prompt: int, turns: int,
 
 
 def run_shape(path: Path, shape: str, work: dict, steps: int, micro_batch_tokens: int, optimizer: str = "adamw",
-              activation_checkpointing: int = 0, pad_to_multiple_of: int | None = None) -> dict:
+              activation_checkpointing: int = 0, length_buckets: int | None = None) -> dict:
     import torch
 
     from runtime.backends.learner import LearnerConfig, TorchLearner
@@ -104,7 +104,7 @@ def run_shape(path: Path, shape: str, work: dict, steps: int, micro_batch_tokens
                                                     micro_batch_tokens=micro_batch_tokens, bf16_autocast=True,
                                                     device="cuda", optimizer=optimizer,
                                                     activation_checkpointing=activation_checkpointing,
-                                                    pad_to_multiple_of=pad_to_multiple_of))
+                                                    length_buckets=length_buckets))
     params = sum(p.numel() for p in learner.model.parameters())
     vocab = min(learner.tokenizer.vocab_size, SHAPES[shape]["vocab_size"])
     times = []
@@ -133,7 +133,7 @@ def run_shape(path: Path, shape: str, work: dict, steps: int, micro_batch_tokens
            "peak_gpu_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
            "micro_batch_tokens": micro_batch_tokens, "optimizer": optimizer,
            "activation_checkpointing": activation_checkpointing, "optimizer_state_gib": round(opt_bytes / 2**30, 2),
-           "pad_to_multiple_of": learner.cfg.pad_to_multiple_of}
+           "length_buckets": learner.cfg.length_buckets}
     del learner
     torch.cuda.empty_cache()
     return row
@@ -151,15 +151,15 @@ def main() -> None:
                     help="the learner's optimizer (adamw8bit needs bitsandbytes)")
     ap.add_argument("--activation-checkpointing", type=int, default=0, metavar="N",
                     help="every N-th decoder layer recomputes its activations in the backward (0: off, 1: every layer)")
-    ap.add_argument("--pad-to-multiple-of", type=int, default=None, metavar="M",
-                    help="forwards run on lengths rounded up to a multiple of M (default: the product's "
-                         "algo.pad_to_multiple_of default, exact lengths on a GPU; 1: exact lengths)")
+    ap.add_argument("--length-buckets", type=int, default=None, metavar="K",
+                    help="forwards run on lengths rounded up to one of K per doubling (default: the product's "
+                         "algo.length_buckets default, exact lengths on a GPU; 0: exact lengths)")
     a = ap.parse_args()
     import torch
 
-    pad = a.pad_to_multiple_of
-    if pad is not None and pad < 1:
-        raise SystemExit("--pad-to-multiple-of M needs M >= 1 (1: exact lengths)")
+    buckets = a.length_buckets
+    if buckets is not None and buckets < 0:
+        raise SystemExit("--length-buckets K needs K >= 0 (0: exact lengths)")
 
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu_learner: torch sees no CUDA GPU; this benchmark measures the learner on one")
@@ -172,14 +172,14 @@ def main() -> None:
     gpu = torch.cuda.get_device_name(0)
     print(f"GPU {gpu}; torch {torch.__version__}; workload {a.workload} {WORKLOADS[a.workload]}; "
           f"optimizer {a.optimizer}; activation checkpointing every {a.activation_checkpointing or '-'} layer(s); "
-          f"lengths padded to a multiple of {pad or 'the default'}",
+          f"length buckets per doubling {'default' if buckets is None else buckets}",
           flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for shape in shapes:
             path = build_model(shape, Path(a.tokenizer), Path(tmp))
             rows.append(run_shape(path, shape, WORKLOADS[a.workload], a.steps, a.micro_batch_tokens, a.optimizer,
-                                  a.activation_checkpointing, pad))
+                                  a.activation_checkpointing, buckets))
             r = rows[-1]
             print(f"{shape:>13} ({r['params_m']}M): {r['sequences']} seqs, {r['tokens_per_step']} tokens/step, "
                   f"prepare {r['prepare_s']:.2f} s + update {r['update_s']:.2f} s -> "

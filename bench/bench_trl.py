@@ -87,10 +87,10 @@ def run_ours(steps: int, engine: str, in_process: bool = False) -> dict:
     tok = AutoTokenizer.from_pretrained(path)
     chat = ChatFormat.from_tokenizer(tok)
     bf16 = resolve_bf16(None)
-    # lengths padded as the product pads them (algo.pad_to_multiple_of's default: 64 on the CPU)
+    # lengths bucketed as the product buckets them (algo.length_buckets' default: 8 per doubling on the CPU)
     learner = TorchLearner(path, LearnerConfig(lr=LR, kl_coef=KL, micro_batch_size=MICRO, bf16_autocast=bf16,
                                                temperature=1.0, optimizer=OPTIMIZER,
-                                               pad_to_multiple_of=AlgoConfig().pad_to_multiple_of),
+                                               length_buckets=AlgoConfig().length_buckets),
                            reference_path=path)
     if engine == "vllm":
         from runtime.backends.vllm_backend import VLLMBackend, export_fn, is_cpu_build, named_weights_fn

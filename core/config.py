@@ -256,15 +256,16 @@ class AlgoConfig(_Strict):
                                                       "computed at once: the [positions, vocab] logits never exceed "
                                                       "this many rows (recomputed per chunk in the backward pass). "
                                                       "0: all positions of a micro-batch at once (the old path).")
-    pad_to_multiple_of: int | None = Field(
-        None, ge=1, description="The learner's forwards run on sequence lengths rounded up to a multiple of this "
-                                "(right padding; a shared prompt is cut down to a multiple, its last tokens run with "
-                                "each row): the same log-probs and gradients on few distinct matmul shapes. None: 64 "
-                                "on the CPU, where every new shape left compiled oneDNN kernels and a more fragmented "
-                                "heap behind (held memory grew with each step's new lengths: learner alone, 5 updates, "
-                                "1.63 -> 2.14 GiB exact, flat 1.5 GiB at 64), and 1 (exact lengths) on a GPU, where "
-                                "padding equal-length rows costs the maskless attention path (1.5B step on an H200: "
-                                "32.5 s exact, 37.8 s at 64).")
+    length_buckets: int | None = Field(
+        None, ge=0, description="The learner's forwards run on sequence lengths rounded up to the next of this many "
+                                "evenly spaced lengths per doubling (8: ..., 64, 72, ..., 128, 144, ...: at most 1/8 "
+                                "padding, on the right; a shared prompt is cut down to a bucket, its last tokens run "
+                                "with each row): the same log-probs and gradients on few distinct matmul shapes. None: "
+                                "8 on the CPU, where every new shape left compiled oneDNN kernels and a more "
+                                "fragmented heap behind (held memory grew with each step's new lengths: learner "
+                                "alone, 5 updates, 1.63 -> 2.14 GiB exact, flat ~1.5 GiB bucketed), and 0 (exact "
+                                "lengths) on a GPU, where padding equal-length rows costs the maskless attention "
+                                "path (1.5B step on an H200: 32.5 s exact, 37.8 s padded).")
     activation_checkpointing: int = Field(
         0, ge=0, description="N > 0: every N-th decoder layer of the policy keeps only its input and recomputes its "
                              "activations in the backward pass (less update memory, ~1/3 more update FLOPs at N=1; "

@@ -239,8 +239,8 @@ def _rel(a, b) -> float:
 @needs_cuda
 def test_cuda_learner_matches_cpu_learner():
     """One update at lr 0 (its gradients recorded at the optimizer step; AdamW with lr 0 leaves the weights): the CUDA
-    learner's loss and gradients are the CPU learner's, in fp32 tightly (also with lengths padded to a multiple of 64:
-    algo.pad_to_multiple_of) and under bf16 autocast within bf16 noise."""
+    learner's loss and gradients are the CPU learner's, in fp32 tightly (also on bucketed lengths: algo.length_buckets)
+    and under bf16 autocast within bf16 noise."""
     from runtime.backends.learner import LearnerConfig, TorchLearner
     from runtime.backends.model import resolve_model
     from tests.grads import record_grads
@@ -258,16 +258,16 @@ def test_cuda_learner_matches_cpu_learner():
     bf16_norm = abs(s_cpu_bf16["grad_norm"] - s_cpu["grad_norm"]) / s_cpu["grad_norm"]
     print(f"\nCPU bf16 vs fp32: grad rel diff {bf16_noise:.2e}, grad norm rel diff {bf16_norm:.2e}")
     del cpu_bf16
-    for bf16, pad, grad_tol, loss_tol in ((False, 1, 1e-4, 1e-4), (False, 64, 1e-4, 1e-4),
-                                          (True, 1, max(2 * bf16_noise, 2e-2), 1e-2)):
-        gpu = TorchLearner(path, LearnerConfig(bf16_autocast=bf16, device="cuda", pad_to_multiple_of=pad, **kw))
+    for bf16, buckets, grad_tol, loss_tol in ((False, 0, 1e-4, 1e-4), (False, 8, 1e-4, 1e-4),
+                                              (True, 0, max(2 * bf16_noise, 2e-2), 1e-2)):
+        gpu = TorchLearner(path, LearnerConfig(bf16_autocast=bf16, device="cuda", length_buckets=buckets, **kw))
         assert next(gpu.model.parameters()).device.type == "cuda" and gpu.ref is not None
         assert next(gpu.ref.parameters()).device.type == "cuda"
         g_gpu = record_grads(gpu)
         s_gpu = gpu.update(*_batch())
         assert set(g_gpu) == set(g_cpu)
         rel = _rel(g_gpu, g_cpu)
-        print(f"\nbf16={bf16}, pad {pad}: loss cpu {s_cpu['loss']:.6f} cuda {s_gpu['loss']:.6f}; grad rel diff {rel:.2e}; "
+        print(f"\nbf16={bf16}, length buckets {buckets}: loss cpu {s_cpu['loss']:.6f} cuda {s_gpu['loss']:.6f}; grad rel diff {rel:.2e}; "
               f"grad norm cpu {s_cpu['grad_norm']:.4f} cuda {s_gpu['grad_norm']:.4f}")
         assert abs(s_gpu["loss"] - s_cpu["loss"]) <= loss_tol * max(1.0, abs(s_cpu["loss"]))
         assert rel < grad_tol

@@ -323,25 +323,27 @@ def test_chunked_logprobs_give_the_same_update(tiny_model_dir, bf16):
                 assert torch.allclose(ga[k], gb[k], atol=1e-5, rtol=1e-4), (k, float((ga[k] - gb[k]).abs().max()))
 
 
-def test_padded_lengths_give_the_same_update(tiny_model_dir):
-    """Forwards on lengths rounded up to a multiple (``algo.pad_to_multiple_of``: right padding, and a shared prompt
-    cut down to a multiple, its cut tokens run with each row's rest) give the plain forwards' log-probs, entropies,
-    loss and gradients (fp32, 1e-5), with and without the shared prompt; and the forwards really ran only bucketed
-    widths, the shared prompt still shared."""
+def test_bucketed_lengths_give_the_same_update(tiny_model_dir):
+    """Forwards on bucketed lengths (``algo.length_buckets``: rows padded on the right, a shared prompt cut down to a
+    bucket and its cut tokens run with each row, the vocabulary projection's positions padded with zero rows) give
+    the exact lengths' log-probs, entropies, loss and gradients (fp32, 1e-5), with and without the shared prompt;
+    and the forwards really ran only bucketed widths, the shared prompt still shared."""
     from core.advantages import pad_rows
+    from core.buckets import bucket_length
 
     runs, widths = {}, {}
-    for multiple in (1, 7):
+    for buckets in (0, 4):
         for share in (True, False):
             learner = TorchLearner(tiny_model_dir, LearnerConfig(lr=1e-2, kl_coef=0.0, micro_batch_size=8,
                                                                  bf16_autocast=False, share_prefix=share,
-                                                                 pad_to_multiple_of=multiple))
+                                                                 length_buckets=buckets))
             trajs, advs = _fixed_batch(learner.tokenizer)
             trajs[5].token_ids = trajs[5].token_ids[:-1]  # rows of different lengths (padding inside a group)
             trajs[5].loss_mask, trajs[5].logprobs = trajs[5].loss_mask[:-1], trajs[5].logprobs[:-1]
             advs[5] = advs[5][:-1]
             seqs, masks, groups = [t.token_ids for t in trajs], [t.loss_mask for t in trajs], [t.group_id for t in trajs]
-            assert len({len(x) for x in seqs}) == 2 and max(map(len, seqs)) % 7  # the padding pads for real
+            assert len({len(x) for x in seqs}) == 2 and bucket_length(max(map(len, seqs)), 4) > max(map(len, seqs))
+            assert bucket_length(sum(map(sum, masks)), 4) > sum(map(sum, masks))  # the projection pads too
             seen = []
             base = learner.model.model
             real = base.forward
@@ -353,21 +355,21 @@ def test_padded_lengths_give_the_same_update(tiny_model_dir):
             before = learner.sequence_logprobs(seqs, masks=masks, groups=groups)
             grads = record_grads(learner)
             st = learner.update(trajs, advs, prepared=learner.prepare(trajs))
-            runs[multiple, share], widths[multiple, share] = (logp.detach(), ent, grads, st["loss"], before), seen
-    assert all(w % 7 == 0 for w, _ in widths[7, True] + widths[7, False])
-    assert any(cached for _, cached in widths[7, True]) and not any(cached for _, cached in widths[7, False])
-    assert any(w % 7 for w, _ in widths[1, True] + widths[1, False])
+            runs[buckets, share], widths[buckets, share] = (logp.detach(), ent, grads, st["loss"], before), seen
+    assert all(bucket_length(w, 4) == w for w, _ in widths[4, True] + widths[4, False])
+    assert any(cached for _, cached in widths[4, True]) and not any(cached for _, cached in widths[4, False])
+    assert any(bucket_length(w, 4) != w for w, _ in widths[0, True] + widths[0, False])
     for share in (True, False):
-        (la, ea, ga, lossa, sa), (lb, eb, gb, lossb, sb) = runs[7, share], runs[1, share]
+        (la, ea, ga, lossa, sa), (lb, eb, gb, lossb, sb) = runs[4, share], runs[0, share]
         assert torch.allclose(la, lb, atol=1e-5) and torch.allclose(ea, eb, atol=1e-5)
         assert lossa == pytest.approx(lossb, rel=1e-5, abs=1e-7)
         assert all(abs(x - y) < 1e-5 for r1, r2 in zip(sa, sb) for x, y in zip(r1, r2))
         assert any(gb[k].abs().sum() > 0 for k in gb)
         for k in ga:
             assert torch.allclose(ga[k], gb[k], atol=1e-5, rtol=1e-4), (k, float((ga[k] - gb[k]).abs().max()))
-    # the run config's default (None) pads on the CPU
-    auto = TorchLearner(tiny_model_dir, LearnerConfig(device="cpu", pad_to_multiple_of=None))
-    assert auto.cfg.pad_to_multiple_of == 64
+    # the run config's default (None) buckets on the CPU
+    auto = TorchLearner(tiny_model_dir, LearnerConfig(device="cpu", length_buckets=None))
+    assert auto.cfg.length_buckets == 8
 
 
 def test_activation_checkpointing_gives_the_same_update(tiny_model_dir):

@@ -21,6 +21,7 @@ import torch
 
 from core.advantages import pad_rows
 from core.losses import batch_totals, micro_batches, nll_loss, policy_loss, sequence_weights
+from core.buckets import bucket_floor, bucket_length
 from core.prefix import plan_shared_prefixes
 from core.trajectory import Trajectory
 from runtime.backends.logprobs import chunked_token_logprobs
@@ -50,7 +51,7 @@ class LearnerConfig:
     share_prefix: bool = True  # a group's common prompt runs once per forward (core.prefix)
     min_shared_prefix: int = 16
     logprob_chunk: int = 512  # policy positions projected onto the vocabulary at once (0: all at once)
-    pad_to_multiple_of: int | None = 1  # forwards run on lengths rounded up to this (None: CPU_PAD on the CPU, 1 else)
+    length_buckets: int | None = 0  # > 0: forwards on bucketed lengths (bucket_length); None: CPU_BUCKETS on the CPU
     activation_checkpointing: int = 0  # N > 0: every N-th decoder layer recomputes its activations in the backward
     activation_checkpointing_min_tokens: int = 0  # > 0: only micro-batches of at least this many padded tokens do
     device: str = "auto"  # model.device: auto (CUDA when available, else CPU), cpu, cuda, cuda:N
@@ -84,11 +85,11 @@ class Prepared:
     stats: dict[str, float] = field(default_factory=dict)
 
 
-# algo.pad_to_multiple_of's default on the CPU: with exact lengths every step's new set of sequence lengths left
-# oneDNN's per-shape kernels and a more fragmented heap behind (the learner alone, 5 updates of varying lengths: held
-# memory 1.63 -> 2.14 GiB, update peak 3.24 -> 4.23; at 64 flat at 1.5 / 3.3). On a GPU padding costs time instead:
-# equal-length rows lose the maskless flash-attention path (H200, 1.5B paper step: 32.5 -> 37.8 s at 64)
-CPU_PAD = 64
+# algo.length_buckets' default on the CPU: with exact lengths every step's new set of sequence lengths left oneDNN's
+# per-shape kernels and a more fragmented heap behind (the learner alone, 5 updates of varying lengths: held memory
+# 1.63 -> 2.14 GiB, update peak 3.24 -> 4.23; on few lengths flat at ~1.5 / 3.3). On a GPU padding costs time
+# instead: equal-length rows then need an attention mask (inferred; H200, 1.5B paper step: 32.5 -> 37.8 s padded)
+CPU_BUCKETS = 8
 
 # config attributes of models whose logits are post-processed after the output projection (soft-capping,
 # scaling): the positions-only projection would skip that, so those models take the full forward
@@ -227,8 +228,8 @@ class TorchLearner:
         from runtime.backends.hardware import resolve_device
 
         self.device = resolve_device(cfg.device)
-        if cfg.pad_to_multiple_of is None:  # few shapes matter to the CPU's oneDNN; a GPU's flash attention wants none
-            cfg = dataclasses.replace(cfg, pad_to_multiple_of=CPU_PAD if self.device.type == "cpu" else 1)
+        if cfg.length_buckets is None:  # few shapes matter to the CPU's oneDNN; a GPU's attention wants no padding
+            cfg = dataclasses.replace(cfg, length_buckets=CPU_BUCKETS if self.device.type == "cpu" else 0)
         self.cfg = cfg
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = load_causal_lm(model_path, self.device)
@@ -317,13 +318,12 @@ class TorchLearner:
         return h[inverse.to(h.device)]
 
     def _bucket_len(self, n: int) -> int:
-        """``n`` rounded up to a multiple of ``pad_to_multiple_of``."""
-        m = self.cfg.pad_to_multiple_of
-        return -(-n // m) * m if m > 1 else n
+        """``n`` rounded up to its length bucket (``bucket_length``; ``length_buckets`` 0: ``n``)."""
+        return bucket_length(n, self.cfg.length_buckets)
 
     def _padded(self, ids: torch.Tensor, att: torch.Tensor, n: int):
         """``ids`` ([B, n] tokens) and ``att`` (their attention mask, possibly with more columns in front: a cached
-        prefix) padded on the right to a bucketed length. Causal attention keeps the padding out of every real
+        prefix) padded on the right to their length bucket. Causal attention keeps the padding out of every real
         position's output, so only the shapes change: the CPU's matmul library (oneDNN) keeps a compiled kernel and
         its buffers per shape, and a heap that serves ever new sizes fragments (issue 31: held memory grew with
         every new set of sequence lengths)."""
@@ -340,12 +340,11 @@ class TorchLearner:
         return core.base_model(input_ids=ids, attention_mask=att).last_hidden_state[:, :T - 1]
 
     def _bucket_prefix(self, b):
-        """A shared-prefix block with its prefix cut down to a multiple of ``pad_to_multiple_of`` (the rest of each
-        row then runs the cut tokens; 0: no sharing), so the prefix's forward sees bucketed shapes too."""
-        m = self.cfg.pad_to_multiple_of
-        if m <= 1 or not b.prefix_len:
+        """A shared-prefix block with its prefix cut down to a bucketed length (``bucket_floor``: the rest of each row
+        then runs the cut tokens; 0: no sharing), so the prefix's forward sees bucketed shapes too."""
+        if not self.cfg.length_buckets or not b.prefix_len:
             return b
-        cut = b.prefix_len // m * m
+        cut = bucket_floor(b.prefix_len, self.cfg.length_buckets)
         return dataclasses.replace(b, prefix_len=cut if cut >= self.cfg.min_shared_prefix else 0)
 
     def _token_logp(self, model, ids, att, with_entropy: bool = False, need: torch.Tensor | None = None,
@@ -366,9 +365,15 @@ class TorchLearner:
                 h = self._hidden(core, ids, att, need, groups)
             if self.cfg.logprob_chunk and getattr(head, "bias", None) is None:  # a chunk of positions at a time
                 dtype = torch.bfloat16 if self.cfg.bf16_autocast else None
-                tok, ent = chunked_token_logprobs(h[sel], head.weight, ids[:, 1:][sel], self.cfg.temperature,
+                hs, targets = h[sel], ids[:, 1:][sel]
+                n = hs.shape[0]
+                extra = self._bucket_len(n) - n  # the vocabulary projection's shapes bucketed too: zero rows, sliced
+                if extra:  # off (their log-probs get no gradient, so they add none)
+                    hs = torch.nn.functional.pad(hs, (0, 0, 0, extra))
+                    targets = torch.nn.functional.pad(targets, (0, extra))
+                tok, ent = chunked_token_logprobs(hs, head.weight, targets, self.cfg.temperature,
                                                   self.cfg.logprob_chunk, with_entropy, dtype)
-                return self._scatter_rows(tok, ent, sel, ids.shape)
+                return self._scatter_rows(tok[:n], None if ent is None else ent[:n], sel, ids.shape)
             with self._autocast():
                 logits = head(h[sel])
             logits = logits.float()
