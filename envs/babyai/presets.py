@@ -19,10 +19,11 @@ PRESETS: dict[str, dict[str, Any]] = {
                     "temperature": 1.0},
         # memory (bench/bench_memory.py --demo): bitsandbytes' 8-bit AdamW (0.25 GiB of optimizer state instead of
         # 1 GiB; the same gain measured), a pair of sequences per forward only while each is <= 512 tokens, and
-        # forwards of >= 600 padded tokens (the longer episodes, whose activations set the update's peak)
-        # recompute their activations in the backward pass (same gradients: tests/test_learning.py)
+        # forwards of >= 400 padded tokens (the episodes of phases 2 and 3, whose activations set the update's peak)
+        # recompute their activations in the backward pass (same gradients: tests/test_learning.py). 400 instead of
+        # 600: tree peak 5.22 -> 4.69 GiB, update 241 -> 263 s (bench/results/memory-demo-smoke-ab4-20261126.txt)
         "algo": {"lr": 3e-5, "kl_coef": 0.0, "micro_batch_size": 2, "micro_batch_tokens": 1024,
-                 "optimizer": "adamw8bit", "activation_checkpointing_min_tokens": 600},
+                 "optimizer": "adamw8bit", "activation_checkpointing_min_tokens": 400},
         "eval": {"n": 96},
     },
     # The longer CPU run: the smoke recipe on five go-to levels, twice the episodes per step and 2.5 times the
