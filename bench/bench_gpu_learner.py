@@ -190,8 +190,7 @@ def main() -> None:
     if a.out:
         Path(a.out).write_text(json.dumps({"gpu": gpu, "torch": torch.__version__, "workload": a.workload,
                                            "workload_shape": WORKLOADS[a.workload], "optimizer": a.optimizer,
-                                           "activation_checkpointing": a.activation_checkpointing,
-                                           "rows": rows},
+                                           "activation_checkpointing": a.activation_checkpointing, "rows": rows},
                                           indent=2))
 
 

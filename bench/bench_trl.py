@@ -74,10 +74,10 @@ def run_ours(steps: int, engine: str, in_process: bool = False) -> dict:
 
     from core.advantages import EstimatorParams, trajectory_advantages
     from core.chat import ChatFormat
+    from core.config import AlgoConfig
     from core.trajectory import Trajectory
     from runtime.backends.generation import SamplingParams, TransformersBackend
     from runtime.backends.hardware import resolve_bf16, resolve_vllm_dtype
-    from core.config import AlgoConfig
     from runtime.backends.learner import LearnerConfig, TorchLearner
     from runtime.backends.model import resolve_model
     from runtime.memory import trim_heap

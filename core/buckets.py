@@ -11,19 +11,22 @@ of two cost at most 1/``per_octave`` of padding (short and long sequences alike)
 from __future__ import annotations
 
 
+def _step(n: int, per_octave: int) -> int:
+    """The spacing of the buckets in ``n``'s doubling (1: ``n`` is exact)."""
+    if per_octave <= 0 or n <= per_octave:
+        return 1
+    return max(1, (1 << (n.bit_length() - 1)) // per_octave)
+
+
 def bucket_length(n: int, per_octave: int) -> int:
     """``n`` rounded up to the next of ``per_octave`` evenly spaced lengths between two powers of two (8: 64, 72,
     80, ..., 120, 128, 144, ...): at most 1/``per_octave`` of padding, and few distinct lengths (per_octave per
     doubling). ``per_octave`` 0: ``n`` itself."""
-    if per_octave <= 0 or n <= per_octave:
-        return n
-    step = max(1, (1 << (n.bit_length() - 1)) // per_octave)
+    step = _step(n, per_octave)
     return -(-n // step) * step
 
 
 def bucket_floor(n: int, per_octave: int) -> int:
     """The largest bucketed length (``bucket_length``) <= ``n``."""
-    if per_octave <= 0 or n <= per_octave:
-        return n
-    step = max(1, (1 << (n.bit_length() - 1)) // per_octave)
+    step = _step(n, per_octave)
     return n // step * step

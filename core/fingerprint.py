@@ -22,7 +22,8 @@ OPERATIONAL_KEYS = frozenset({
     "env.url", "env.num_servers", "env.runtime", "env.image", "env.request_timeout_s", "model.threads",
     "rollout.gen_batch_size", "rollout.max_live_episodes", "rollout.vllm_kv_cache_gb", "rollout.vllm_kv_budget_gb",
     # how the work is scheduled, not what is trained: episodes stepped one by one or in lock-step (same seeds), and
-    # how a mini-batch is cut into forwards and padded (the loss weights are the whole mini-batch's: tests/test_learning.py)
+    # how a mini-batch is cut into forwards and padded (the loss weights are the whole mini-batch's;
+    # tests/test_learning.py)
     "rollout.async_episodes", "algo.micro_batch_tokens", "algo.length_buckets",
     # what the engine hands back to the OS while the learner updates (it generates the same tokens either way)
     "rollout.vllm_release_kv", "rollout.vllm_release_weights",

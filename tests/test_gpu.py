@@ -268,8 +268,8 @@ def test_cuda_learner_matches_cpu_learner():
         s_gpu = gpu.update(*_batch())
         assert set(g_gpu) == set(g_cpu)
         rel = _rel(g_gpu, g_cpu)
-        print(f"\nbf16={bf16}, length buckets {buckets}: loss cpu {s_cpu['loss']:.6f} cuda {s_gpu['loss']:.6f}; grad rel diff {rel:.2e}; "
-              f"grad norm cpu {s_cpu['grad_norm']:.4f} cuda {s_gpu['grad_norm']:.4f}")
+        print(f"\nbf16={bf16}, length buckets {buckets}: loss cpu {s_cpu['loss']:.6f} cuda {s_gpu['loss']:.6f}; "
+              f"grad rel diff {rel:.2e}; grad norm cpu {s_cpu['grad_norm']:.4f} cuda {s_gpu['grad_norm']:.4f}")
         assert abs(s_gpu["loss"] - s_cpu["loss"]) <= loss_tol * max(1.0, abs(s_cpu["loss"]))
         assert rel < grad_tol
         assert s_gpu["grad_norm"] == pytest.approx(s_cpu["grad_norm"], rel=1e-4 if not bf16 else max(2 * bf16_norm, 1e-2))

@@ -217,14 +217,7 @@ class WorkerExtension:
         view them stay, so the attention layers keep their bindings). Returns the bytes released."""
         from runtime.memory import trim_heap
 
-        kept = getattr(self, "_released_kv", None) or []
-        freed = 0
-        for st in _kv_storages(self.model_runner.kv_caches):  # the ones not released yet (0 bytes are skipped)
-            n = st.nbytes()
-            kept.append((st, n))
-            st.resize_(0)
-            freed += n
-        self._released_kv = kept
+        freed = _release_storages(self, "_released_kv", self.model_runner.kv_caches)
         trim_heap()
         return freed
 
@@ -234,13 +227,7 @@ class WorkerExtension:
         one; the caller clears the prefix cache). Zeroed page by page as blocks are used, not written now
         (``runtime.memory.zero_pages``): only the blocks the next rollout touches become resident. Returns the
         bytes restored."""
-        from runtime.memory import zero_pages
-
-        kept, self._released_kv = getattr(self, "_released_kv", None) or [], []
-        for st, n in kept:
-            st.resize_(n)
-            zero_pages(st.data_ptr(), n)
-        return sum(n for _, n in kept)
+        return _restore_storages(self, "_released_kv")
 
     def refresh_cpu_heads(self) -> int:
         """CPU build: the output head packs a private copy of its weight for its GEMM at load time, and an in-place
@@ -280,29 +267,15 @@ class WorkerExtension:
             if gemm is not None and gemm is not _released_gemm and gemm is not torch.nn.functional.linear:
                 mod.cpu_linear = _released_gemm  # the closure over the packed copy goes: the copy is freed
                 n += 1
-        if n:  # the parameters too (the load overwrites every one): storages to 0 bytes, given back by the load
-            kept = getattr(self, "_released_params", None) or []
-            seen = {st.data_ptr() for st, _ in kept}
-            for p in model.parameters():
-                st = p.untyped_storage()
-                if st.nbytes() and st.data_ptr() not in seen:
-                    seen.add(st.data_ptr())
-                    kept.append((st, st.nbytes()))
-                    st.resize_(0)
-            self._released_params = kept
+        if n:  # the parameters too (the load overwrites every one), given back before the load
+            _release_storages(self, "_released_params", list(model.parameters()))
         trim_heap()
         return n
 
     def restore_cpu_params(self) -> int:
         """Before a weight load: the parameters ``release_cpu_weights`` released get their memory back (zeroed, page
         by page as written: the load overwrites all of them). Returns the bytes restored."""
-        from runtime.memory import zero_pages
-
-        kept, self._released_params = getattr(self, "_released_params", None) or [], []
-        for st, n in kept:
-            st.resize_(n)
-            zero_pages(st.data_ptr(), n)
-        return sum(n for _, n in kept)
+        return _restore_storages(self, "_released_params")
 
 
 def _released_gemm(x, weight, bias):
@@ -310,11 +283,41 @@ def _released_gemm(x, weight, bias):
                        "before generating")
 
 
-def _kv_storages(caches) -> list:
-    """The distinct storages under a model runner's ``kv_caches`` (a list of tensors, possibly nested)."""
+def _release_storages(owner, attr: str, tensors) -> int:
+    """Resize the distinct storages under ``tensors`` to 0 bytes (their memory goes back to the allocator; the
+    tensors that view them stay, so whatever holds them keeps its bindings) and remember them with their sizes in
+    ``owner.<attr>`` (added to what is released there already; released ones have 0 bytes and are skipped).
+    Returns the bytes released."""
+    kept = getattr(owner, attr, None) or []
+    freed = 0
+    for st in _storages(tensors):
+        n = st.nbytes()
+        kept.append((st, n))
+        st.resize_(0)
+        freed += n
+    setattr(owner, attr, kept)
+    return freed
+
+
+def _restore_storages(owner, attr: str) -> int:
+    """Give the storages ``_release_storages`` kept in ``owner.<attr>`` their sizes back, zeroed page by page as
+    they are touched (``runtime.memory.zero_pages``: nothing becomes resident now). Returns the bytes restored."""
+    from runtime.memory import zero_pages
+
+    kept = getattr(owner, attr, None) or []
+    setattr(owner, attr, [])
+    for st, n in kept:
+        st.resize_(n)
+        zero_pages(st.data_ptr(), n)
+    return sum(n for _, n in kept)
+
+
+def _storages(tensors) -> list:
+    """The distinct storages with bytes under ``tensors`` (a tensor, or lists, tuples and dicts of them, nested: a
+    model runner's ``kv_caches``, a model's parameters)."""
     import torch
 
-    out, seen, todo = [], set(), [caches]
+    out, seen, todo = [], set(), [tensors]
     while todo:
         x = todo.pop()
         if isinstance(x, torch.Tensor):
