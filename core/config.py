@@ -222,6 +222,12 @@ class AlgoConfig(_Strict):
                              "SmolLM2-135M) or adamw8bit (bitsandbytes' block-wise 8-bit AdamW: 2 bytes per "
                              "parameter, 0.25 GiB; its optimizer step is ~1 s slower on 2 CPU cores; the torch learner "
                              "only).")
+    grad_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="How the policy's gradients are held between the backward and the optimizer step: fp32 "
+                            "(4 bytes per parameter) or bf16 (2 bytes, 0.25 GiB less for SmolLM2-135M: each "
+                            "backward's gradient goes into a bf16 buffer as soon as it is written, and the step takes "
+                            "them back to fp32 one parameter at a time; a bf16-autocast matmul's weight gradient is a "
+                            "bf16 value already, the sum over micro-batches rounds). The torch learner only.")
     kl_coef: float = Field(0.001, ge=0, description="KL to the frozen reference (0 = no reference): a k3 loss "
                                                     "term, or a reward penalty for reinforce++.")
     clip: float = Field(0.2, gt=0, lt=1, description="PPO ratio clip.")
@@ -410,6 +416,9 @@ class RunConfig(_Strict):
         if ln.engine == "deepspeed" and self.algo.optimizer != "adamw":
             raise ValueError(f"algo.optimizer={self.algo.optimizer} is the torch learner's: DeepSpeed builds its own "
                              "AdamW (set algo.optimizer=adamw, or learner.engine=torch)")
+        if ln.engine == "deepspeed" and self.algo.grad_dtype != "fp32":
+            raise ValueError(f"algo.grad_dtype={self.algo.grad_dtype} is the torch learner's: DeepSpeed keeps its own "
+                             "gradients (set algo.grad_dtype=fp32, or learner.engine=torch)")
         if ln.engine == "torch" and (ln.ranks > 1 or ln.offload_optimizer or ln.config_path):
             raise ValueError("learner.ranks / offload_optimizer / config_path need learner.engine=deepspeed")
         if ln.engine == "deepspeed" and (ln.ranks > 1 or ln.zero_stage == 3) and self.rollout.backend != "vllm":

@@ -164,6 +164,8 @@ def test_presets_and_overrides():
     (["rollout.vllm_in_process=true", "rollout.backend=transformers"], "rollout.backend=vllm"),
     (["learner.engine=deepspeed", "algo.optimizer=adamw8bit"], "algo.optimizer=adamw"),
     (["algo.optimizer=sgd"], "algo.optimizer"),
+    (["learner.engine=deepspeed", "algo.optimizer=adamw", "algo.grad_dtype=bf16"], "algo.grad_dtype=fp32"),
+    (["algo.grad_dtype=fp16"], "algo.grad_dtype"),
 ])
 def test_bad_config_says_how_to_fix(bad, needle):
     with pytest.raises(ConfigError, match=needle):

@@ -33,6 +33,7 @@ class LearnerConfig:
     lr: float = 1e-6
     weight_decay: float = 0.0
     optimizer: str = "adamw"  # or "adamw8bit" (bitsandbytes): make_optimizer
+    grad_dtype: str = "fp32"  # or "bf16": the policy's gradients accumulate in bf16 (_hold_bf16)
     kl_coef: float = 0.001
     clip: float = 0.2
     grad_clip: float = 1.0
@@ -202,7 +203,8 @@ class Learner(Protocol):
 def make_optimizer(params, name: str, lr: float, weight_decay: float) -> torch.optim.Optimizer:
     """The policy's optimizer (``algo.optimizer``): ``adamw`` (torch; fp32 first and second moments) or ``adamw8bit``
     (bitsandbytes: both moments block-wise quantised to 8 bits, tensors under 4,096 elements in fp32; the same
-    AdamW update, read from and written back to the quantised state)."""
+    AdamW update, read from and written back to the quantised state; on the CPU a large tensor is stepped a slice at
+    a time, bit-identical: ``runtime.backends.optim8bit``)."""
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     if name == "adamw8bit":
@@ -212,12 +214,12 @@ def make_optimizer(params, name: str, lr: float, weight_decay: float) -> torch.o
         level = quiet.level
         quiet.setLevel(logging.ERROR)  # its import warns about optional 4-bit GEMM kernels this learner never uses
         try:
-            import bitsandbytes as bnb
+            from runtime.backends.optim8bit import SlicedAdamW8bit
         except ImportError as e:
             raise RuntimeError("algo.optimizer=adamw8bit needs bitsandbytes: pip install 'bitsandbytes>=0.48'") from e
         finally:
             quiet.setLevel(level)
-        return bnb.optim.AdamW8bit(params, lr=lr, weight_decay=weight_decay)
+        return SlicedAdamW8bit(params, lr=lr, weight_decay=weight_decay)
     raise ValueError(f"unknown optimizer {name!r}: adamw or adamw8bit")
 
 
@@ -248,6 +250,13 @@ class TorchLearner:
             for p in self.ref.parameters():
                 p.requires_grad_(False)
         self.opt = make_optimizer(self.model.parameters(), cfg.optimizer, cfg.lr, cfg.weight_decay)
+        if cfg.grad_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"unknown grad_dtype {cfg.grad_dtype!r}: fp32 or bf16")
+        self._bf16_grads: dict[torch.nn.Parameter, torch.Tensor] = {}  # grad_dtype=bf16: a parameter's gradient
+        if cfg.grad_dtype == "bf16":
+            for q in self.model.parameters():
+                if q.requires_grad:
+                    q.register_post_accumulate_grad_hook(self._hold_bf16)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.critic = None
         if cfg.critic:
@@ -677,11 +686,13 @@ class TorchLearner:
         return list(values)
 
     def _zero_grad(self) -> None:
+        self._bf16_grads.clear()
         self.opt.zero_grad(set_to_none=True)
 
     def _release_grads(self) -> None:
         """After the update's last optimizer step: the gradients are spent, free them now (not at the next update's
         first step), so the rollout and evaluation between updates run without them in memory."""
+        self._bf16_grads.clear()
         self.opt.zero_grad(set_to_none=True)
         if self.critic is not None:
             self.critic.zero_grad()
@@ -689,11 +700,47 @@ class TorchLearner:
     def _backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
+    def _hold_bf16(self, p: torch.nn.Parameter) -> None:
+        """``grad_dtype=bf16``, called by autograd as soon as a backward has written ``p``'s gradient: it goes into
+        ``p``'s bf16 buffer (created from the first micro-batch's, added to by the next ones) and the fp32 one is
+        freed, so the update holds 2 bytes per parameter of gradients instead of 4 (and one fp32 gradient at a time
+        while the backward runs). A bf16-autocast matmul's weight gradient is a bf16 value already; what rounds is
+        the norms' and the embedding's gradients and the sum over micro-batches (relative 2^-9 per addition)."""
+        held = self._bf16_grads.get(p)
+        if held is None:
+            self._bf16_grads[p] = p.grad.to(torch.bfloat16)
+        else:
+            held.add_(p.grad)
+        p.grad = None
+
     def _step(self) -> float:
         """Clip gradients, take an optimizer step; returns the pre-clip gradient norm."""
+        if self.cfg.grad_dtype == "bf16":
+            return self._step_bf16()
         gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.opt.step()
         return float(gn)
+
+    def _step_bf16(self) -> float:
+        """The optimizer step from the bf16 gradients: the pre-clip norm over all of them (in fp32, as
+        ``clip_grad_norm_`` computes it), then one parameter at a time its gradient in fp32, scaled by the clip
+        coefficient, stepped and freed with its bf16 buffer (the optimizer's update is per parameter: the same step
+        as over all at once), so at most one fp32 gradient exists."""
+        held = self._bf16_grads
+        norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in held.values()]
+        total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+        coef = torch.clamp(self.cfg.grad_clip / (total + 1e-6), max=1.0)
+        for group in self.opt.param_groups:
+            for p in group["params"]:
+                g = held.pop(p, None)
+                if g is None:
+                    continue
+                p.grad = g.float().mul_(coef)
+                del g
+                self.opt.step()
+                p.grad = None
+        held.clear()
+        return float(total)
 
     # -- weights and checkpoints ---------------------------------------------------------------------------
     def optimizer_state_bytes(self) -> int:
