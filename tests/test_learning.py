@@ -480,6 +480,22 @@ def test_bf16_gradients_track_fp32_gradients_in_half_the_bytes(tiny_model_dir):
     assert cos > 0.98 and abs(ratio - 1) < 0.02, (cos, ratio)
 
 
+def test_a_learner_with_bf16_gradients_is_freed_when_dropped(tiny_model_dir):
+    """Each phase builds its own learner: the gradient hooks must not keep a dropped one (its weights, optimizer
+    state and gradients) alive; autograd holds hooks where the garbage collector cannot break a cycle."""
+    import gc
+    import weakref
+
+    learner = TorchLearner(tiny_model_dir, LearnerConfig(lr=1e-3, kl_coef=0.0, bf16_autocast=False,
+                                                         grad_dtype="bf16"))
+    trajs, advs = _fixed_batch(learner.tokenizer)
+    learner.update(trajs, advs, prepared=learner.prepare(trajs))
+    gone, weights = weakref.ref(learner), weakref.ref(next(learner.model.parameters()))
+    del learner
+    gc.collect()
+    assert gone() is None and weights() is None
+
+
 def test_bf16_gradients_learn_the_two_turn_task(tiny_model_dir, monkeypatch):
     """The learning check of ``algo.grad_dtype=bf16``: GRPO learns what it learns with fp32 gradients."""
     real = LearnerConfig.__init__

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import random
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Protocol
@@ -254,9 +255,19 @@ class TorchLearner:
             raise ValueError(f"unknown grad_dtype {cfg.grad_dtype!r}: fp32 or bf16")
         self._bf16_grads: dict[torch.nn.Parameter, torch.Tensor] = {}  # grad_dtype=bf16: a parameter's gradient
         if cfg.grad_dtype == "bf16":
+            # the hook reaches the learner through a weak reference: autograd keeps hooks on the C++ side, where the
+            # garbage collector cannot see a cycle learner -> model -> hook -> learner, so a strong one would keep
+            # a closed learner (its weights and optimizer state) alive for the rest of the process
+            me = weakref.ref(self)
+
+            def hold(p: torch.nn.Parameter) -> None:
+                learner = me()
+                if learner is not None:
+                    learner._hold_bf16(p)
+
             for q in self.model.parameters():
                 if q.requires_grad:
-                    q.register_post_accumulate_grad_hook(self._hold_bf16)
+                    q.register_post_accumulate_grad_hook(hold)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.critic = None
         if cfg.critic:
