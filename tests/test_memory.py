@@ -77,3 +77,19 @@ def test_zero_pages_zeroes_the_range_without_making_it_resident():
     assert bool((buf[:start] == 7).all()) and bool((buf[start + length:] == 7).all())
     buf[start:start + length] = 5  # the pages work as ordinary memory again
     assert int((buf == 5).sum()) == length
+
+
+def test_flows_cap_onednn_primitive_cache_unless_set():
+    """``import flows`` (the CLI's and every deployment's first import, before torch) caps oneDNN's per-shape
+    primitive cache at 32, and leaves a value the user set alone."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import os, flows, torch; print(os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'])"
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
+    root = str(__import__("pathlib").Path(__file__).resolve().parents[1])
+    run = dict(cwd=root, capture_output=True, text=True, check=True, timeout=120)
+    assert subprocess.run([sys.executable, "-c", code], env=env, **run).stdout.strip() == "32"
+    env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = "256"
+    assert subprocess.run([sys.executable, "-c", code], env=env, **run).stdout.strip() == "256"

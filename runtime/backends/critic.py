@@ -56,7 +56,7 @@ class Critic:
     def _autocast(self):
         from runtime.backends.hardware import autocast
 
-        return autocast(self.device, self.bf16)
+        return autocast(self.device, self.bf16, cache=False)  # training: hardware.autocast
 
     def _pad(self, seqs: Sequence[Sequence[int]]):
         width = max(len(s) for s in seqs)

@@ -281,7 +281,7 @@ class TorchLearner:
     def _autocast(self):
         from runtime.backends.hardware import autocast
 
-        return autocast(self.device, self.cfg.bf16_autocast)
+        return autocast(self.device, self.cfg.bf16_autocast, cache=False)  # training: hardware.autocast
 
     def _dev(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """``t`` on the learner's device (the same tensor on the CPU)."""
