@@ -496,6 +496,44 @@ def test_a_learner_with_bf16_gradients_is_freed_when_dropped(tiny_model_dir):
     assert gone() is None and weights() is None
 
 
+def test_cast_linears_give_the_autocast_update_without_saving_bf16_weights(tiny_model_dir, monkeypatch):
+    """Under bf16 autocast the policy's linear layers save their fp32 weights and recast them in the backward
+    (``runtime.backends.cast_linear``): the update's loss and gradients equal the stock autocast path's (same bf16
+    matmuls on the same values), with and without activation checkpointing, and no forward saves a bf16 tensor of a
+    weight's shape for the backward (the stock path saves one per linear layer of a forward it does not
+    checkpoint)."""
+    from runtime.backends import learner as lmod
+
+    def run(cast: bool, every: int):
+        monkeypatch.setattr(lmod.TorchLearner, "cast_linears", cast)
+        torch.manual_seed(0)
+        learner = TorchLearner(tiny_model_dir, LearnerConfig(lr=1e-3, kl_coef=0.0, micro_batch_size=3,
+                                                             bf16_autocast=True, activation_checkpointing=every))
+        trajs, advs = _fixed_batch(learner.tokenizer)
+        shapes = {s for m in learner.model.modules() if type(m) is torch.nn.Linear  # the weight, or it transposed
+                  for s in (tuple(m.weight.shape), tuple(m.weight.shape)[::-1])}
+        saved = []
+
+        def pack(t):
+            if t.dtype == torch.bfloat16 and tuple(t.shape) in shapes:
+                saved.append(tuple(t.shape))
+            return t
+
+        grads = record_grads(learner)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            st = learner.update(trajs, advs, prepared=learner.prepare(trajs))
+        return st["loss"], grads, saved
+
+    for every in (0, 1):
+        loss0, g0, saved0 = run(False, every)
+        loss1, g1, saved1 = run(True, every)
+        assert not saved1 and (saved0 or every), (len(saved0), saved1)  # checkpointed layers save in the backward
+        assert loss1 == pytest.approx(loss0, rel=1e-6, abs=1e-9)
+        assert g1.keys() == g0.keys() and any(g.abs().sum() > 0 for g in g0.values())
+        for k in g0:
+            torch.testing.assert_close(g1[k], g0[k], rtol=1e-5, atol=1e-7, msg=k)
+
+
 def test_bf16_gradients_learn_the_two_turn_task(tiny_model_dir, monkeypatch):
     """The learning check of ``algo.grad_dtype=bf16``: GRPO learns what it learns with fp32 gradients."""
     real = LearnerConfig.__init__

@@ -220,6 +220,8 @@ def _ensure_dist() -> None:
 
 
 class DeepSpeedLearner(TorchLearner):
+    cast_linears = False  # ZeRO-3 frees a layer's gathered weights after its forward: the stock linear keeps its copy
+
     def __init__(self, model_path: str, cfg: LearnerConfig, reference_path: str | None = None, *,
                  zero_stage: int = 2, offload_optimizer: bool = False, bf16_weights: bool = False,
                  config_path: str | None = None):

@@ -25,6 +25,7 @@ from core.losses import batch_totals, micro_batches, nll_loss, policy_loss, sequ
 from core.buckets import bucket_floor, bucket_length
 from core.prefix import plan_shared_prefixes
 from core.trajectory import Trajectory
+from runtime.backends.cast_linear import use_cast_linears
 from runtime.backends.logprobs import chunked_token_logprobs
 from runtime.backends.safe_load import load_plain
 
@@ -225,6 +226,8 @@ def make_optimizer(params, name: str, lr: float, weight_decay: float) -> torch.o
 
 
 class TorchLearner:
+    cast_linears = True  # bf16 autocast: linear layers save fp32 weights, not bf16 copies (runtime.backends.cast_linear)
+
     def __init__(self, model_path: str, cfg: LearnerConfig, reference_path: str | None = None):
         from transformers import AutoTokenizer
 
@@ -237,6 +240,8 @@ class TorchLearner:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = load_causal_lm(model_path, self.device)
         self.model.config.use_cache = False
+        if cfg.bf16_autocast and self.cast_linears:  # the backward recasts the fp32 weights (runtime.backends.cast_linear)
+            use_cast_linears(self.model, skip=(self.model.get_output_embeddings(),))
         every = cfg.activation_checkpointing or (1 if cfg.activation_checkpointing_min_tokens else 0)
         if every:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False},
