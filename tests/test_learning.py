@@ -480,6 +480,36 @@ def test_bf16_gradients_track_fp32_gradients_in_half_the_bytes(tiny_model_dir):
     assert cos > 0.98 and abs(ratio - 1) < 0.02, (cos, ratio)
 
 
+def test_bf16_gradients_take_the_output_weight_gradient_early_with_the_same_result(tiny_model_dir, monkeypatch):
+    """``grad_dtype=bf16`` takes the (tied) output projection's gradient in its backward instead of letting autograd
+    hold it until the embedding's part arrives; the rows of the input tokens wait in fp32, so the bf16 buffers are
+    bit for bit those of the plain path (autograd adding both parts)."""
+    from runtime.backends import learner as lmod
+
+    real = lmod.chunked_token_logprobs
+    out = {}
+    for early in (True, False):
+        monkeypatch.setattr(lmod, "chunked_token_logprobs", real if early else (lambda *a: real(*a[:7])))
+        torch.manual_seed(0)
+        learner = TorchLearner(tiny_model_dir, LearnerConfig(lr=1e-3, kl_coef=0.0, micro_batch_size=2,
+                                                             bf16_autocast=True, grad_dtype="bf16"))
+        assert learner.model.get_output_embeddings().weight is learner.model.get_input_embeddings().weight
+        trajs, advs = _fixed_batch(learner.tokenizer)
+        held, real_step = {}, learner._step_bf16
+
+        def step(learner=learner, held=held, real_step=real_step):
+            held.update({n: learner._bf16_grads[p].clone() for n, p in learner.model.named_parameters()
+                         if p in learner._bf16_grads})
+            return real_step()
+
+        learner._step_bf16 = step
+        learner.update(trajs, advs, prepared=learner.prepare(trajs))
+        out[early] = held
+    assert out[True].keys() == out[False].keys() and len(out[True]) > 10
+    for k in out[False]:
+        assert torch.equal(out[True][k], out[False][k]), k
+
+
 def test_a_learner_with_bf16_gradients_is_freed_when_dropped(tiny_model_dir):
     """Each phase builds its own learner: the gradient hooks must not keep a dropped one (its weights, optimizer
     state and gradients) alive; autograd holds hooks where the garbage collector cannot break a cycle."""

@@ -10,6 +10,7 @@ Checkpoints are HF folders (world-size independent) plus ``optimizer.pt`` keyed 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import random
 import time
@@ -259,6 +260,7 @@ class TorchLearner:
         if cfg.grad_dtype not in ("fp32", "bf16"):
             raise ValueError(f"unknown grad_dtype {cfg.grad_dtype!r}: fp32 or bf16")
         self._bf16_grads: dict[torch.nn.Parameter, torch.Tensor] = {}  # grad_dtype=bf16: a parameter's gradient
+        self._head_rows: dict[torch.nn.Parameter, tuple[torch.Tensor, torch.Tensor]] = {}  # _sink_head_grad
         if cfg.grad_dtype == "bf16":
             # the hook reaches the learner through a weak reference: autograd keeps hooks on the C++ side, where the
             # garbage collector cannot see a cycle learner -> model -> hook -> learner, so a strong one would keep
@@ -396,8 +398,11 @@ class TorchLearner:
                 if extra:  # off (their log-probs get no gradient, so they add none)
                     hs = torch.nn.functional.pad(hs, (0, 0, 0, extra))
                     targets = torch.nn.functional.pad(targets, (0, extra))
+                sink = None  # bf16 gradients: the output weight's goes to its buffer when the projection has it
+                if self.cfg.grad_dtype == "bf16" and model is self.model and head.weight.requires_grad:
+                    sink = functools.partial(self._sink_head_grad, head.weight, torch.unique(ids))
                 tok, ent = chunked_token_logprobs(hs, head.weight, targets, self.cfg.temperature,
-                                                  self.cfg.logprob_chunk, with_entropy, dtype)
+                                                  self.cfg.logprob_chunk, with_entropy, dtype, sink)
                 return self._scatter_rows(tok[:n], None if ent is None else ent[:n], sel, ids.shape)
             with self._autocast():
                 logits = head(h[sel])
@@ -703,12 +708,14 @@ class TorchLearner:
 
     def _zero_grad(self) -> None:
         self._bf16_grads.clear()
+        self._head_rows.clear()
         self.opt.zero_grad(set_to_none=True)
 
     def _release_grads(self) -> None:
         """After the update's last optimizer step: the gradients are spent, free them now (not at the next update's
         first step), so the rollout and evaluation between updates run without them in memory."""
         self._bf16_grads.clear()
+        self._head_rows.clear()
         self.opt.zero_grad(set_to_none=True)
         if self.critic is not None:
             self.critic.zero_grad()
@@ -722,12 +729,39 @@ class TorchLearner:
         freed, so the update holds 2 bytes per parameter of gradients instead of 4 (and one fp32 gradient at a time
         while the backward runs). A bf16-autocast matmul's weight gradient is a bf16 value already; what rounds is
         the norms' and the embedding's gradients and the sum over micro-batches (relative 2^-9 per addition)."""
+        pending = self._head_rows.pop(p, None)
+        if pending is not None:  # the tied output weight's rows kept in fp32 by _sink_head_grad
+            rows, side = pending
+            p.grad[rows] += side
+        self._add_bf16(p, p.grad)
+        p.grad = None
+
+    def _sink_head_grad(self, w: torch.nn.Parameter, rows: torch.Tensor, grad: torch.Tensor) -> None:
+        """``grad_dtype=bf16``: the output projection's fp32 gradient ``grad``, taken in its backward (so autograd
+        does not hold it, 0.1 GiB for SmolLM2-135M's tied embedding, through the rest of the backward). Into ``w``'s
+        bf16 buffer now, except the ``rows`` of the forward's input tokens: with tied weights the embedding's
+        gradient lands there at the backward's end, and those rows are kept in fp32 until then (``_hold_bf16``), so
+        each gets one rounding of the sum, as when autograd adds the two parts."""
+        side = grad[rows]
+        grad[rows] = 0
+        self._add_bf16(w, grad)
+        prev = self._head_rows.pop(w, None)
+        if prev is not None:  # the embedding is not tied to the head (or took no gradient): these rows go in now
+            self._add_bf16_rows(w, *prev)
+        self._head_rows[w] = (rows, side)
+
+    def _add_bf16_rows(self, p: torch.nn.Parameter, rows: torch.Tensor, side: torch.Tensor) -> None:
+        """Add fp32 ``side`` to rows ``rows`` of ``p``'s bf16 buffer (which exists)."""
+        held = self._bf16_grads[p]
+        held[rows] = (held[rows].float() + side).to(held.dtype)
+
+    def _add_bf16(self, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        """Add ``grad`` (fp32) to ``p``'s bf16 gradient buffer (made from it when there is none)."""
         held = self._bf16_grads.get(p)
         if held is None:
-            self._bf16_grads[p] = p.grad.to(torch.bfloat16)
+            self._bf16_grads[p] = grad.to(torch.bfloat16)
         else:
-            held.add_(p.grad)
-        p.grad = None
+            held.add_(grad)
 
     def _step(self) -> float:
         """Clip gradients, take an optimizer step; returns the pre-clip gradient norm."""
@@ -742,6 +776,9 @@ class TorchLearner:
         ``clip_grad_norm_`` computes it), then one parameter at a time its gradient in fp32, scaled by the clip
         coefficient, stepped and freed with its bf16 buffer (the optimizer's update is per parameter: the same step
         as over all at once), so at most one fp32 gradient exists."""
+        for p, pending in list(self._head_rows.items()):  # an untied head's rows (no embedding gradient came)
+            self._add_bf16_rows(p, *pending)
+        self._head_rows.clear()
         held = self._bf16_grads
         norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in held.values()]
         total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())

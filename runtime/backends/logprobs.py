@@ -27,7 +27,7 @@ def _logits(h: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tenso
 
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, targets, temperature, chunk, with_entropy, compute_dtype):
+    def forward(ctx, h, weight, targets, temperature, chunk, with_entropy, compute_dtype, weight_grad_sink):
         n = h.shape[0]
         tok = torch.empty(n, dtype=torch.float32, device=h.device)
         ent = torch.zeros(n, dtype=torch.float32, device=h.device)
@@ -42,6 +42,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 del logits
         ctx.save_for_backward(h, weight, targets)
         ctx.temperature, ctx.chunk, ctx.compute_dtype = temperature, chunk, compute_dtype
+        ctx.weight_grad_sink = weight_grad_sink
         ctx.mark_non_differentiable(ent)
         return tok, ent
 
@@ -66,19 +67,26 @@ class _ChunkedLogProbs(torch.autograd.Function):
                     grad_h[s:s + chunk] = (dz @ wc).to(h.dtype)
                 if grad_w is not None:
                     grad_w += (dz.t() @ hc[s:s + chunk]).float()
+        if grad_w is not None and ctx.weight_grad_sink is not None:
+            ctx.weight_grad_sink(grad_w)  # taken now, not carried through the rest of the backward
+            grad_w = None
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 def chunked_token_logprobs(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
                            chunk: int, with_entropy: bool = False,
-                           compute_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           compute_dtype: torch.dtype | None = None,
+                           weight_grad_sink=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(targets[i] | h[i]) under ``softmax(h @ weight.T / temperature)`` ([n] fp32), and the entropy of that
     distribution (``with_entropy``; no gradient), ``chunk`` positions at a time (module docstring).
 
     ``h``: [n, hidden]; ``weight``: the output projection [vocab, hidden] (no bias); ``targets``: [n] token ids;
-    ``temperature`` <= 0 means none; ``compute_dtype``: the projection's dtype (None: ``h``'s)."""
+    ``temperature`` <= 0 means none; ``compute_dtype``: the projection's dtype (None: ``h``'s).
+    ``weight_grad_sink``: called in the backward with ``weight``'s fp32 gradient, which then does not go to autograd
+    (the learner's bf16 gradients: a tied output weight's gradient is otherwise held through the whole backward
+    until the embedding's part is added to it)."""
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     if h.dim() != 2 or weight.dim() != 2 or h.shape[1] != weight.shape[1]:
@@ -86,5 +94,5 @@ def chunked_token_logprobs(h: torch.Tensor, weight: torch.Tensor, targets: torch
     if targets.shape != h.shape[:1]:
         raise ValueError(f"{targets.shape[0]} targets for {h.shape[0]} positions")
     tok, ent = _ChunkedLogProbs.apply(h, weight, targets, float(temperature), int(chunk), bool(with_entropy),
-                                      compute_dtype or h.dtype)
+                                      compute_dtype or h.dtype, weight_grad_sink)
     return tok, (ent if with_entropy else None)
