@@ -552,6 +552,9 @@ def test_cast_linears_give_the_autocast_update_without_saving_bf16_weights(tiny_
         grads = record_grads(learner)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             st = learner.update(trajs, advs, prepared=learner.prepare(trajs))
+        routed = [m.recast for m in learner.model.model.layers.modules() if hasattr(m, "recast")]
+        assert len(routed) == (7 * len(learner.model.model.layers) if cast else 0)
+        assert all(r == (not every) for r in routed)  # checkpointed layers keep the stock path (set_recast)
         return st["loss"], grads, saved
 
     for every in (0, 1):

@@ -5,7 +5,8 @@ a forward whose activations are kept (not checkpointed) holds a bf16 copy of eve
 GiB for SmolLM2-135M on top of the fp32 weights. ``CastLinear`` saves the weight itself and casts it again in the
 backward (one cast per layer, a few milliseconds for the whole model); the matmuls are the ones autocast runs, on
 the same bf16 values, so outputs and gradients are the same (``tests/test_learning.py``). The output projection
-does the same in ``runtime.backends.logprobs``.
+does the same in ``runtime.backends.logprobs``. Layers whose activations are checkpointed keep the stock path
+(``set_recast``).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class CastLinear(torch.autograd.Function):
 
 def _forward(self, x: torch.Tensor) -> torch.Tensor:
     device = x.device.type
-    if (self.bias is None and torch.is_grad_enabled() and self.weight.requires_grad
+    if (self.recast and self.bias is None and torch.is_grad_enabled() and self.weight.requires_grad
             and self.weight.dtype == torch.float32 and torch.is_autocast_enabled(device)):
         return CastLinear.apply(x, self.weight, torch.get_autocast_dtype(device))
     return F.linear(x, self.weight, self.bias)
@@ -53,5 +54,16 @@ def use_cast_linears(model: torch.nn.Module, skip: tuple[torch.nn.Module, ...] =
     for m in model.modules():
         if type(m) is torch.nn.Linear and m.bias is None and not any(m is s for s in skip):
             m.forward = types.MethodType(_forward, m)
+            m.recast = True
             n += 1
     return n
+
+
+def set_recast(module: torch.nn.Module, on: bool) -> None:
+    """Switch ``CastLinear`` on or off for the routed linear layers inside ``module``. Off where the layer's
+    activations are checkpointed: its recomputation in the backward saves one layer's bf16 weights at a time
+    anyway, and the stock path casts each weight twice per micro-batch (forward, recomputation) where ``CastLinear``
+    casts it three times (and the backward's cast of 135M weights costs ~0.1 s on 2 cores)."""
+    for m in module.modules():
+        if hasattr(m, "recast"):
+            m.recast = on

@@ -26,7 +26,7 @@ from core.losses import batch_totals, micro_batches, nll_loss, policy_loss, sequ
 from core.buckets import bucket_floor, bucket_length
 from core.prefix import plan_shared_prefixes
 from core.trajectory import Trajectory
-from runtime.backends.cast_linear import use_cast_linears
+from runtime.backends.cast_linear import set_recast, use_cast_linears
 from runtime.backends.logprobs import chunked_token_logprobs
 from runtime.backends.safe_load import load_plain
 
@@ -249,6 +249,8 @@ class TorchLearner:
                                                      every_n_layers=every)
         # the checkpointed layers: with a token threshold, switched on and off per micro-batch (_checkpoint_for)
         self._ckpt_layers = [m for m in self.model.modules() if getattr(m, "gradient_checkpointing", False)]
+        for m in self._ckpt_layers:
+            set_recast(m, False)
         self.model.train()
         self.ref = None
         if cfg.kl_coef > 0:
@@ -586,6 +588,7 @@ class TorchLearner:
             on = padded_tokens >= threshold
             for m in self._ckpt_layers:
                 m.gradient_checkpointing = on
+                set_recast(m, not on)  # a checkpointed layer's linears take the stock path (cast_linear.set_recast)
 
     def _train_micro_batch(self, batch: "_UpdateBatch", ks: list[int], w_seq: list[float],
                            tally: "_UpdateTally") -> None:
