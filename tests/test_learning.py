@@ -429,18 +429,25 @@ def test_adamw8bit_tracks_adamw_with_a_quarter_of_its_state(tiny_model_dir, tmp_
         other.load_training_state(tmp_path / "ckpt")
 
 
+def _grpo_learns_with(model_dir: str, monkeypatch, **fields) -> None:
+    """GRPO on the two-turn task learns with every learner built with ``fields`` set (a learner option's
+    learning check)."""
+    real = LearnerConfig.__init__
+
+    def with_fields(self, *a, **k):
+        real(self, *a, **k)
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+    monkeypatch.setattr(LearnerConfig, "__init__", with_fields)
+    rates = train(model_dir, "grpo", LR["grpo"])
+    assert learned(rates), f"grpo with {fields} did not learn: success per step {rates}"
+
+
 def test_adamw8bit_learns_the_two_turn_task(tiny_model_dir, monkeypatch):
     """The learning check of the 8-bit optimizer: GRPO with it learns what it learns with torch's AdamW."""
     pytest.importorskip("bitsandbytes")
-    real = LearnerConfig.__init__
-
-    def with_8bit(self, *a, **k):
-        real(self, *a, **k)
-        self.optimizer = "adamw8bit"
-
-    monkeypatch.setattr(LearnerConfig, "__init__", with_8bit)
-    rates = train(tiny_model_dir, "grpo", LR["grpo"])
-    assert learned(rates), f"grpo with adamw8bit did not learn: success per step {rates}"
+    _grpo_learns_with(tiny_model_dir, monkeypatch, optimizer="adamw8bit")
 
 
 def test_bf16_gradients_track_fp32_gradients_in_half_the_bytes(tiny_model_dir):
@@ -569,15 +576,7 @@ def test_cast_linears_give_the_autocast_update_without_saving_bf16_weights(tiny_
 
 def test_bf16_gradients_learn_the_two_turn_task(tiny_model_dir, monkeypatch):
     """The learning check of ``algo.grad_dtype=bf16``: GRPO learns what it learns with fp32 gradients."""
-    real = LearnerConfig.__init__
-
-    def with_bf16(self, *a, **k):
-        real(self, *a, **k)
-        self.grad_dtype = "bf16"
-
-    monkeypatch.setattr(LearnerConfig, "__init__", with_bf16)
-    rates = train(tiny_model_dir, "grpo", LR["grpo"])
-    assert learned(rates), f"grpo with bf16 gradients did not learn: success per step {rates}"
+    _grpo_learns_with(tiny_model_dir, monkeypatch, grad_dtype="bf16")
 
 
 def test_activation_checkpointing_above_a_token_threshold_only(tiny_model_dir):
