@@ -66,7 +66,8 @@ def test_engine_in_process_is_auto_on_cpu_with_the_torch_learner():
     assert vb.engine_in_process(build_config("babyai", "smoke", ["rollout.vllm_in_process=false"])) is False
     assert vb.engine_in_process(build_config("babyai", "smoke", ["rollout.vllm_in_process=true"])) is True
     assert vb.engine_in_process(build_config("babyai", "smoke", ["learner.engine=deepspeed",
-                                                                             "algo.optimizer=adamw"])) is False
+                                                                             "algo.optimizer=adamw",
+                                                                             "algo.grad_dtype=fp32"])) is False
     s = vb.engine_settings(build_config("babyai", "smoke", ["rollout.vllm_in_process=false"]), ".", 0, 1)
     assert s["in_process"] is False  # part of what defines an engine: a change replaces the kept one
 
