@@ -186,7 +186,7 @@ def _engine_matches_learner_after_sync(device_ok: bool, dtype: str, autocast: bo
         assert (not started) == in_process, started  # in-process: no engine core or worker process started
         # sampled log-probs (temperature 1) agree with the learner's recomputation of the same tokens
         prompt = seq[:-12]
-        gens = engine.generate([prompt] * 4, SamplingParams(16, 1.0))
+        gens = engine.generate([prompt] * 4, SamplingParams(16, 1.0, seeds=(0, 1, 2, 3)))  # the same update every run
         trajs, advs = [], []
         for i, g in enumerate(gens):
             t = Trajectory(task_id=0, group_id=0)
