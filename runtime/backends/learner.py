@@ -717,9 +717,7 @@ class TorchLearner:
     def _release_grads(self) -> None:
         """After the update's last optimizer step: the gradients are spent, free them now (not at the next update's
         first step), so the rollout and evaluation between updates run without them in memory."""
-        self._bf16_grads.clear()
-        self._head_rows.clear()
-        self.opt.zero_grad(set_to_none=True)
+        self._zero_grad()
         if self.critic is not None:
             self.critic.zero_grad()
 
