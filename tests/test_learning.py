@@ -256,6 +256,108 @@ def test_shared_prompt_forward_gives_the_same_logprobs_and_gradients(tiny_model_
     assert all(abs(x - y) < 1e-5 for r1, r2 in zip(sa, sb) for x, y in zip(r1, r2))
 
 
+def test_shared_prompts_of_different_lengths_run_in_one_forward(tiny_model_dir):
+    """Groups whose prompts differ in length (and a row with no group to share with) in one micro-batch: all the
+    prompts run in one forward, right-padded, and every row's rest in one more (each row's attention mask hides
+    the cache columns past its own prompt, its positions continue its prompt): log-probs and gradients equal one
+    full forward per row (fp32, 1e-5), with exact and with bucketed lengths."""
+    from core.advantages import pad_rows
+    from core.prefix import plan_shared_prefixes
+    from core.trajectory import Trajectory
+
+    def batch(tok):
+        chat = ChatFormat.from_tokenizer(tok)
+        digits = [chat.encode(d) for d in "1234"]
+        rooms = ["Room one.", "Room one, with a long corridor and a red ball by the far door.", "A hall."]
+        trajs = []
+        for i in range(7):  # groups 0 and 1 of three rows, group 2 one row
+            g = min(i // 3, 2)
+            t = Trajectory(task_id=g, group_id=g)
+            t.start(chat.prompt_ids(TwoRooms().instruction(), rooms[g]))
+            t.add_action(digits[i % 4] + digits[(i + 1) % 4][: i % 2] + [tok.eos_token_id], [-1.0] * (2 + i % 2))
+            trajs.append(t)
+        return trajs
+
+    for buckets in (0, 4):
+        runs, calls = {}, {}
+        for share in (True, False):
+            learner = TorchLearner(tiny_model_dir, LearnerConfig(micro_batch_size=8, bf16_autocast=False,
+                                                                 share_prefix=share, length_buckets=buckets))
+            trajs = batch(learner.tokenizer)
+            seqs, masks, groups = [t.token_ids for t in trajs], [t.loss_mask for t in trajs], [t.group_id for t in trajs]
+            if share:
+                blocks = plan_shared_prefixes(seqs, masks, groups, learner.cfg.min_shared_prefix)
+                assert len({b.prefix_len for b in blocks if b.prefix_len}) == 2 and any(not b.prefix_len for b in blocks)
+            seen = []
+            base = learner.model.model
+            real = base.forward
+            base.forward = lambda *a, **k: (seen.append(tuple(k["input_ids"].shape)), real(*a, **k))[1]
+            ids, att = learner._pad(seqs)
+            need = pad_rows(masks, ids.shape[1]).bool()
+            logp, ent = learner._token_logp(learner.model, ids, att, with_entropy=True, need=need, groups=groups)
+            (logp * need * torch.linspace(-1, 1, len(seqs))[:, None]).sum().backward()
+            runs[share] = (logp.detach(), ent, {k: p.grad.clone() for k, p in learner.model.named_parameters()})
+            calls[share] = seen
+        assert [b for b, _ in calls[True]] == [1, 2, 6] and [b for b, _ in calls[False]] == [7]  # plain, prompts, rests
+        (la, ea, ga), (lb, eb, gb) = runs[True], runs[False]
+        assert torch.allclose(la, lb, atol=1e-5) and torch.allclose(ea, eb, atol=1e-5)
+        assert any(gb[k].abs().sum() > 0 for k in gb)
+        for k in ga:
+            assert torch.allclose(ga[k], gb[k], atol=1e-5, rtol=1e-4), (k, float((ga[k] - gb[k]).abs().max()))
+
+
+def test_a_model_on_the_cpu_attention_gives_the_same_logprobs_and_gradients(tiny_model_dir):
+    """The learner switches its policy to the CPU attention; against the same learner on SDPA, a shared-prompt batch
+    (prompt alone, rests against it, padding) gives the same log-probs and gradients (fp32, 1e-5), and the small
+    path really ran."""
+    from core.advantages import pad_rows
+    from runtime.backends import attention
+
+    runs = {}
+    for impl in ("sdpa", attention.NAME):
+        learner = TorchLearner(tiny_model_dir, LearnerConfig(micro_batch_size=8, bf16_autocast=False))
+        assert learner.model.config._attn_implementation == attention.NAME  # the learner's default on the CPU
+        learner.model.set_attn_implementation(impl)
+        trajs, _ = _fixed_batch(learner.tokenizer)
+        trajs[5].token_ids = trajs[5].token_ids[:-1]  # padding inside a group
+        trajs[5].loss_mask = trajs[5].loss_mask[:-1]
+        seqs, masks, groups = [t.token_ids for t in trajs], [t.loss_mask for t in trajs], [t.group_id for t in trajs]
+        calls = []
+        real = attention.matmul_attention
+        attention.matmul_attention = lambda *a: (calls.append(a[0].shape), real(*a))[1]
+        try:
+            ids, att = learner._pad(seqs)
+            need = pad_rows(masks, ids.shape[1]).bool()
+            logp, _ = learner._token_logp(learner.model, ids, att, need=need, groups=groups)
+            (logp * need * torch.linspace(-1, 1, len(seqs))[:, None]).sum().backward()
+        finally:
+            attention.matmul_attention = real
+        runs[impl] = (logp.detach(), {k: p.grad.clone() for k, p in learner.model.named_parameters()}, calls)
+    (la, ga, ca), (lb, gb, cb) = runs["sdpa"], runs[attention.NAME]
+    assert not ca and cb  # only the switched model took the matmul path
+    assert torch.allclose(la, lb, atol=1e-5)
+    assert any(ga[k].abs().sum() > 0 for k in ga)
+    for k in ga:
+        assert torch.allclose(ga[k], gb[k], atol=1e-5, rtol=1e-4), (k, float((ga[k] - gb[k]).abs().max()))
+
+
+def test_the_reference_model_holds_bf16_linears_and_gives_the_same_logprobs(tiny_model_dir):
+    """Under bf16 autocast the frozen KL reference stores its linear layers' weights in bf16 (autocast casts them to
+    that at every forward): before any update, its log-probs equal the fp32 policy's exactly; the embedding and the
+    norms stay fp32. Without autocast it keeps fp32."""
+    learner = TorchLearner(tiny_model_dir, LearnerConfig(kl_coef=0.01, micro_batch_size=8, bf16_autocast=True))
+    trajs, _ = _fixed_batch(learner.tokenizer)
+    seqs, masks, groups = [t.token_ids for t in trajs], [t.loss_mask for t in trajs], [t.group_id for t in trajs]
+    dtypes = {n: p.dtype for n, p in learner.ref.named_parameters()}
+    assert dtypes["model.layers.0.mlp.down_proj.weight"] == torch.bfloat16
+    assert dtypes["model.embed_tokens.weight"] == dtypes["model.norm.weight"] == torch.float32
+    ref = learner.sequence_logprobs(seqs, reference=True, masks=masks, groups=groups)
+    assert ref == learner.sequence_logprobs(seqs, masks=masks, groups=groups)
+    assert any(x != 0 for row in ref for x in row)
+    fp32 = TorchLearner(tiny_model_dir, LearnerConfig(kl_coef=0.01, bf16_autocast=False))
+    assert all(p.dtype == torch.float32 for p in fp32.ref.parameters())
+
+
 def test_token_capped_micro_batches_give_the_same_update(tiny_model_dir):
     """The loss weights are computed for the whole mini-batch, so cutting it into smaller micro-batches (a cap on
     padded tokens) changes only the float summation order: the same loss and gradient within float tolerance (the
