@@ -2,14 +2,15 @@
 
     pip install -e '.[bench]'        # trl==1.16.0 (optional; not installed by infra/install.sh)
     python bench/bench_trl.py [--steps 3] [--only ours,ours-in-process,trl] [--engine vllm|transformers]
-                              [--optimizer adamw|adamw8bit]
+                              [--optimizer adamw|adamw8bit] [--grad-dtype fp32|bf16]
 
 Workload (both sides): SmolLM2-135M-Instruct; per step 8 prompts x 4 generations (temperature 1.0,
 <= 64 new tokens), prompts are BabyAI first-turn chat prompts (~250 tokens); reward 1 when the reply names
 an action the observation offers (the BabyAI parser), else 0; group-normalised advantages; one optimizer step
 over the 32 sequences (4 micro-batches of 8), AdamW lr 1e-6, KL to the frozen initial model 0.001. With
 ``--optimizer adamw8bit`` both sides take bitsandbytes' 8-bit AdamW (ours ``algo.optimizer=adamw8bit``, TRL
-``optim="adamw_bnb_8bit"``).
+``optim="adamw_bnb_8bit"``). ``--grad-dtype bf16`` holds our learner's gradients in bf16 (``algo.grad_dtype``; TRL
+has no such setting and keeps fp32).
 Precision follows the hardware on both sides (bf16 autocast where bf16 is native, fp32 elsewhere).
 
 Each side runs in its own child process; the parent samples the RSS of the child's whole process tree (our
@@ -38,6 +39,7 @@ PROMPTS, GENS, NEW_TOKENS, MICRO = 8, 4, 64, 8
 MAX_LEN = 512  # our engine's max sequence length: prompt + reply
 LR, KL = 1e-6, 0.001
 OPTIMIZER = os.environ.get("BENCH_TRL_OPTIMIZER", "adamw")  # --optimizer, read by the child processes
+GRAD_DTYPE = os.environ.get("BENCH_TRL_GRAD_DTYPE", "fp32")  # --grad-dtype (ours only), read by the child process
 # the sides: ours with the vLLM engine in its own processes (the default) or inside the trainer's process
 # (rollout.vllm_in_process), and TRL
 SIDES = ("ours", "ours-in-process", "trl")
@@ -89,7 +91,7 @@ def run_ours(steps: int, engine: str, in_process: bool = False) -> dict:
     bf16 = resolve_bf16(None)
     # lengths bucketed as the product buckets them (algo.length_buckets' default: 8 per doubling on the CPU)
     learner = TorchLearner(path, LearnerConfig(lr=LR, kl_coef=KL, micro_batch_size=MICRO, bf16_autocast=bf16,
-                                               temperature=1.0, optimizer=OPTIMIZER,
+                                               temperature=1.0, optimizer=OPTIMIZER, grad_dtype=GRAD_DTYPE,
                                                length_buckets=AlgoConfig().length_buckets),
                            reference_path=path)
     if engine == "vllm":
@@ -267,6 +269,8 @@ def main() -> None:
                     help="vLLM weight sync: in memory (default) or through an HF folder (the old path)")
     ap.add_argument("--optimizer", choices=["adamw", "adamw8bit"], default=None,
                     help="both sides' optimizer: torch AdamW (default) or bitsandbytes' 8-bit AdamW")
+    ap.add_argument("--grad-dtype", choices=["fp32", "bf16"], default=None,
+                    help="our learner's gradient buffers (algo.grad_dtype; TRL keeps fp32): fp32 (default) or bf16")
     ap.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -274,6 +278,8 @@ def main() -> None:
         os.environ["BENCH_TRL_SYNC"] = a.sync
     if a.optimizer:  # read by both child processes
         os.environ["BENCH_TRL_OPTIMIZER"] = a.optimizer
+    if a.grad_dtype:  # read by our child process
+        os.environ["BENCH_TRL_GRAD_DTYPE"] = a.grad_dtype
     if a.steps < 2:
         ap.error("--steps must be >= 2 (the first step is warm-up)")
     if a.worker:
@@ -313,7 +319,8 @@ def main() -> None:
     res.parent.mkdir(parents=True, exist_ok=True)
     res.write_text(json.dumps({"workload": {"prompts": PROMPTS, "generations": GENS, "max_new_tokens": NEW_TOKENS,
                                             "micro_batch": MICRO, "lr": LR, "kl": KL,
-                                            "optimizer": a.optimizer or "adamw"}, "rows": rows}, indent=2))
+                                            "optimizer": a.optimizer or "adamw",
+                                            "grad_dtype": a.grad_dtype or "fp32"}, "rows": rows}, indent=2))
     print(f"wrote {res}")
 
 

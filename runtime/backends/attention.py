@@ -9,9 +9,10 @@ kind: a group's prompt alone, then each row's reply against the prompt's keys. W
 episodes) the flash kernel wins (2 x 1024 tokens: 70 vs 208 ms) and holds no score matrix for the backward, so
 those keep SDPA: ``MAX_PER_HEAD`` query x key products per head, ``MAX_SCORES`` over the call.
 
-The small path computes what SDPA computes: softmax(q k^T * scale + mask) v in the autocast dtype, the softmax in
-fp32 (as transformers' eager attention), the query heads of one key/value head stacked into one matmul (no copy
-of the keys per query head). ``tests/test_attention.py`` compares the two.
+The small path computes what SDPA computes: softmax(q k^T * scale + mask) v, the matmuls in the autocast dtype and
+the softmax in fp32 (as transformers' eager attention), the query heads of one key/value head stacked into one
+matmul (no copy of the keys per query head); like flash attention it keeps no probabilities for the backward, which
+recomputes them from each row's log-sum-exp. ``tests/test_attention.py`` compares the two.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 NAME = "scalinginter_cpu"
 MAX_PER_HEAD = 256 * 256  # query x key positions of one head
-MAX_SCORES = 1 << 21  # over the batch and the heads: 4 MiB of bf16 probabilities kept per layer for the backward
+MAX_SCORES = 1 << 22  # over the batch and the heads (the fp32 probabilities, 16 MiB, exist one layer at a time)
 
 
 def small(query: torch.Tensor, key: torch.Tensor) -> bool:
@@ -28,6 +29,43 @@ def small(query: torch.Tensor, key: torch.Tensor) -> bool:
     B, H, q, _ = query.shape
     k = key.shape[2]
     return q * k <= MAX_PER_HEAD and B * H * q * k <= MAX_SCORES and H % key.shape[1] == 0
+
+
+class _MatmulAttention(torch.autograd.Function):
+    """softmax(q k^T * scale, masked) v on the folded layout (query [B, KH, r*q, d], key/value [B, KH, k, d], mask
+    broadcasting to [B, KH, r, q, k] or None), the same operations as transformers' eager attention, keeping only
+    the inputs for the backward: the probabilities are recomputed there (one more q k^T and softmax), as flash
+    attention does, instead of holding them (fp32 and bf16) for every layer until the backward (~6 bytes per score:
+    0.3 GiB over SmolLM2's 30 layers for a micro-batch of 8 replies against their prompts)."""
+
+    @staticmethod
+    def _probs(q, k, mask, scale, r, qn):
+        B, KH, rq, _ = q.shape
+        s = torch.matmul(q, k.transpose(2, 3)).mul_(scale).view(B, KH, r, qn, k.shape[2])
+        if mask is not None:  # a row with every key masked gets uniform weights (as eager attention), not NaN
+            s = s.masked_fill_(~mask, torch.finfo(s.dtype).min) if mask.dtype == torch.bool else s.add_(mask)
+        s = s.view(B, KH, rq, k.shape[2])
+        return s.dtype, torch.softmax(s, dim=-1, dtype=torch.float32)
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scale: float, r: int, qn: int):
+        _, p = _MatmulAttention._probs(q, k, mask, scale, r, qn)
+        ctx.save_for_backward(q, k, v, mask)
+        ctx.scale, ctx.r, ctx.qn = scale, r, qn
+        return torch.matmul(p.to(v.dtype), v)
+
+    @staticmethod
+    def backward(ctx, go):
+        q, k, v, mask = ctx.saved_tensors
+        s_dtype, p = _MatmulAttention._probs(q, k, mask, ctx.scale, ctx.r, ctx.qn)
+        go = go.to(v.dtype)
+        gv = torch.matmul(p.to(v.dtype).transpose(2, 3), go)
+        gp = torch.matmul(go, v.transpose(2, 3)).float()
+        # the mask's positions get p = 0, so no gradient (a row with every key masked: a padding position, whose
+        # output has no gradient)
+        gs = torch.ops.aten._softmax_backward_data(gp, p, -1, s_dtype).mul_(ctx.scale).to(q.dtype)
+        del p, gp
+        return torch.matmul(gs, k), torch.matmul(gs.transpose(2, 3), q), gv, None, None, None, None
 
 
 def matmul_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
@@ -38,18 +76,12 @@ def matmul_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     B, H, q, d = query.shape
     KH, k = key.shape[1], key.shape[2]
     r = H // KH
-    scores = torch.matmul(query.reshape(B, KH, r * q, d), key.transpose(2, 3)).mul_(scaling).view(B, KH, r, q, k)
     if mask is None and causal and q > 1:
         mask = torch.ones(q, k, dtype=torch.bool, device=query.device).tril()
-    if mask is not None:
-        if mask.dim() == 4:
-            mask = mask[:, :, None]  # [B, 1, 1, q, k] against [B, KH, r, q, k]
-        if mask.dtype == torch.bool:  # a row with no key left gets uniform weights (as eager), not NaN
-            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-        else:
-            scores = scores + mask
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
-    return torch.matmul(probs.view(B, KH, r * q, k), value).view(B, H, q, d)
+    if mask is not None and mask.dim() == 4:
+        mask = mask[:, :, None]  # [B, 1, 1, q, k] against [B, KH, r, q, k]
+    out = _MatmulAttention.apply(query.reshape(B, KH, r * q, d), key, value, mask, scaling, r, q)
+    return out.view(B, H, q, d)
 
 
 def cpu_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
