@@ -306,41 +306,6 @@ def test_shared_prompts_of_different_lengths_run_in_one_forward(tiny_model_dir):
             assert torch.allclose(ga[k], gb[k], atol=1e-5, rtol=1e-4), (k, float((ga[k] - gb[k]).abs().max()))
 
 
-def test_a_model_on_the_cpu_attention_gives_the_same_logprobs_and_gradients(tiny_model_dir):
-    """The learner switches its policy to the CPU attention; against the same learner on SDPA, a shared-prompt batch
-    (prompt alone, rests against it, padding) gives the same log-probs and gradients (fp32, 1e-5), and the small
-    path really ran."""
-    from core.advantages import pad_rows
-    from runtime.backends import attention
-
-    runs = {}
-    for impl in ("sdpa", attention.NAME):
-        learner = TorchLearner(tiny_model_dir, LearnerConfig(micro_batch_size=8, bf16_autocast=False))
-        assert learner.model.config._attn_implementation == attention.NAME  # the learner's default on the CPU
-        learner.model.set_attn_implementation(impl)
-        trajs, _ = _fixed_batch(learner.tokenizer)
-        trajs[5].token_ids = trajs[5].token_ids[:-1]  # padding inside a group
-        trajs[5].loss_mask = trajs[5].loss_mask[:-1]
-        seqs, masks, groups = [t.token_ids for t in trajs], [t.loss_mask for t in trajs], [t.group_id for t in trajs]
-        calls = []
-        real = attention.matmul_attention
-        attention.matmul_attention = lambda *a: (calls.append(a[0].shape), real(*a))[1]
-        try:
-            ids, att = learner._pad(seqs)
-            need = pad_rows(masks, ids.shape[1]).bool()
-            logp, _ = learner._token_logp(learner.model, ids, att, need=need, groups=groups)
-            (logp * need * torch.linspace(-1, 1, len(seqs))[:, None]).sum().backward()
-        finally:
-            attention.matmul_attention = real
-        runs[impl] = (logp.detach(), {k: p.grad.clone() for k, p in learner.model.named_parameters()}, calls)
-    (la, ga, ca), (lb, gb, cb) = runs["sdpa"], runs[attention.NAME]
-    assert not ca and cb  # only the switched model took the matmul path
-    assert torch.allclose(la, lb, atol=1e-5)
-    assert any(ga[k].abs().sum() > 0 for k in ga)
-    for k in ga:
-        assert torch.allclose(ga[k], gb[k], atol=1e-5, rtol=1e-4), (k, float((ga[k] - gb[k]).abs().max()))
-
-
 def test_the_reference_model_holds_bf16_linears_and_gives_the_same_logprobs(tiny_model_dir):
     """Under bf16 autocast the frozen KL reference stores its linear layers' weights in bf16 (autocast casts them to
     that at every forward): before any update, its log-probs equal the fp32 policy's exactly; the embedding and the

@@ -27,7 +27,6 @@ from core.buckets import bucket_floor, bucket_length
 from core.prefix import plan_shared_prefixes
 from core.trajectory import Trajectory
 from runtime.backends.cast_linear import set_recast, use_cast_linears
-from runtime.backends.attention import use_cpu_attention
 from runtime.backends.logprobs import chunked_token_logprobs
 from runtime.backends.safe_load import load_plain
 
@@ -256,7 +255,6 @@ class TorchLearner:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = load_causal_lm(model_path, self.device)
         self.model.config.use_cache = False
-        use_cpu_attention(self.model)  # small attention calls in plain matmuls on the CPU (runtime.backends.attention)
         if cfg.bf16_autocast and self.cast_linears:  # the backward recasts the fp32 weights (runtime.backends.cast_linear)
             use_cast_linears(self.model, skip=(self.model.get_output_embeddings(),))
         every = cfg.activation_checkpointing or (1 if cfg.activation_checkpointing_min_tokens else 0)
@@ -272,7 +270,6 @@ class TorchLearner:
         if cfg.kl_coef > 0:
             self.ref = load_causal_lm(reference_path or model_path, self.device)
             self.ref.eval()
-            use_cpu_attention(self.ref)
             for p in self.ref.parameters():
                 p.requires_grad_(False)
             if cfg.bf16_autocast:  # every forward casts them to bf16 anyway: store them so (the same values)
