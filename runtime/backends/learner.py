@@ -325,11 +325,7 @@ class TorchLearner:
         """The last hidden states that predict tokens 1..T-1 ([B, T-1, H]). With ``groups`` (and
         ``share_prefix``), the rows of a group run their common prompt once (``core.prefix``): its keys and
         values, repeated per row, serve the rest of each row; positions inside the prompt (no policy token
-        there) are left 0 except the last, which predicts each row's first own token. All the groups' prompts
-        run in one forward (right-padded to the longest) and all their rows' rests in a second one, whose
-        attention mask hides each row's cache columns past its own prompt and whose positions continue each
-        prompt: two forwards per micro-batch instead of two per group (each forward casts every weight to bf16
-        and runs the layers' small ops once more)."""
+        there) are left 0 except the last, which predicts each row's first own token."""
         lens = att.sum(1).tolist()
         blocks = []
         # a checkpointed layer in training mode drops the key/value cache the shared prompt hands on (transformers)
@@ -339,44 +335,28 @@ class TorchLearner:
             masks = [need[r, :n].int().tolist() for r, n in enumerate(lens)]
             blocks = plan_shared_prefixes(seqs, masks, groups, self.cfg.min_shared_prefix)
         blocks = [self._bucket_prefix(b) for b in blocks]
-        shared = [b for b in blocks if b.prefix_len]
-        if not shared:
+        if not any(b.prefix_len for b in blocks):
             return self._plain_hidden(core, ids, att)
         T = ids.shape[1]
         parts, order = [], []
-        plain = sorted(r for b in blocks if not b.prefix_len for r in b.rows)
-        if plain:
-            width = max(lens[r] for r in plain)
-            h = self._plain_hidden(core, ids[plain, :width], att[plain, :width])
+        for b in blocks:
+            rows = list(b.rows)
+            width = max(lens[r] for r in rows)
+            sub_ids, sub_att = ids[rows, :width], att[rows, :width]
+            if b.prefix_len == 0:
+                h = self._plain_hidden(core, sub_ids, sub_att)
+            else:
+                L, G = b.prefix_len, len(rows)
+                pre = core.base_model(input_ids=sub_ids[:1, :L], use_cache=True)
+                cache = pre.past_key_values
+                cache.batch_repeat_interleave(G)
+                rest_ids, rest_att = self._padded(sub_ids[:, L:], sub_att, width - L)
+                rest = core.base_model(input_ids=rest_ids, attention_mask=rest_att, past_key_values=cache,
+                                       use_cache=True).last_hidden_state
+                last = pre.last_hidden_state[:, L - 1:L].expand(G, 1, -1)
+                h = torch.cat([last.new_zeros((G, L - 1, last.shape[-1])), last, rest[:, :width - L - 1]], dim=1)
             parts.append(torch.nn.functional.pad(h, (0, 0, 0, T - width)))
-            order += plain
-        # the prompts, one row per group; a shorter prompt's extra columns (its first row's own tokens) compute
-        # nothing any row attends to
-        L = max(b.prefix_len for b in shared)
-        pre = core.base_model(input_ids=torch.stack([ids[b.rows[0], :L] for b in shared]), use_cache=True)
-        rows = [r for b in shared for r in b.rows]
-        of = [i for i, b in enumerate(shared) for _ in b.rows]  # each row's group (its prompt's row)
-        starts = [shared[i].prefix_len for i in of]
-        cache = pre.past_key_values
-        cache.batch_select_indices(torch.tensor(of, device=ids.device))
-        width = max(lens[r] - s for r, s in zip(rows, starts))
-        rest_ids = torch.full((len(rows), width), self.pad_id, dtype=ids.dtype, device=ids.device)
-        rest_att = torch.zeros((len(rows), L + width), dtype=att.dtype, device=att.device)
-        for k, (r, s) in enumerate(zip(rows, starts)):
-            rest_ids[k, :lens[r] - s] = ids[r, s:lens[r]]
-            rest_att[k, :s] = 1
-            rest_att[k, L:L + lens[r] - s] = 1
-        rest_ids, rest_att = self._padded(rest_ids, rest_att, width)
-        pos = torch.tensor(starts, device=ids.device)[:, None] + torch.arange(rest_ids.shape[1], device=ids.device)
-        rest = core.base_model(input_ids=rest_ids, attention_mask=rest_att, position_ids=pos, past_key_values=cache,
-                               use_cache=True).last_hidden_state
-        last = pre.last_hidden_state
-        H = last.shape[-1]
-        for k, (r, s) in enumerate(zip(rows, starts)):  # [0] * (s - 1), the prompt's last state, the row's own
-            own = rest[k, :min(width, T - 1 - s)]
-            parts.append(torch.cat([last.new_zeros((1, s - 1, H)), last[of[k]:of[k] + 1, s - 1:s], own[None],
-                                    last.new_zeros((1, T - 1 - s - own.shape[0], H))], dim=1))
-        order += rows
+            order += rows
         h = torch.cat(parts)
         inverse = torch.empty(len(order), dtype=torch.long)
         inverse[torch.tensor(order)] = torch.arange(len(order))
