@@ -315,6 +315,7 @@ def test_the_reference_model_holds_bf16_linears_and_gives_the_same_logprobs(tiny
     dtypes = {n: p.dtype for n, p in learner.ref.named_parameters()}
     assert dtypes["model.layers.0.mlp.down_proj.weight"] == torch.bfloat16
     assert dtypes["model.embed_tokens.weight"] == dtypes["model.norm.weight"] == torch.float32
+    assert learner.ref.get_output_embeddings().weight is learner.ref.get_input_embeddings().weight  # still tied
     ref = learner.sequence_logprobs(seqs, reference=True, masks=masks, groups=groups)
     assert ref == learner.sequence_logprobs(seqs, masks=masks, groups=groups)
     assert any(x != 0 for row in ref for x in row)

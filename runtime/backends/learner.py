@@ -229,14 +229,20 @@ def make_optimizer(params, name: str, lr: float, weight_decay: float) -> torch.o
 def bf16_linears(model: torch.nn.Module, skip: tuple[torch.nn.Module, ...] = ()) -> int:
     """Store the weights of ``model``'s ``nn.Linear`` layers (but ``skip``) in bf16; returns how many. For a frozen
     model that only runs under bf16 autocast (the KL reference): autocast casts an fp32 weight to bf16 at every
-    linear, so the stored bf16 copy gives the same outputs with half the bytes (0.2 GiB less for SmolLM2-135M's
-    reference). Embeddings and norms keep fp32 (autocast runs those in fp32); the output projection is skipped
-    here because it is tied to the input embedding in small models."""
+    linear, so the stored bf16 copy gives the same outputs with half the bytes. Embeddings and norms keep fp32
+    (autocast runs those in fp32); the output projection is skipped here because it is tied to the input embedding
+    in small models. The parameters left in fp32 are copied too: transformers leaves loaded weights on the
+    checkpoint file's memory mapping, and one tensor still on it keeps the whole file's pages that the conversion
+    read resident (SmolLM2-135M's reference after a forward of each model: 1.59 GiB RSS unconverted, 1.79 converted
+    with the embedding left on the mapping, 1.39 with it copied)."""
     n = 0
     for m in model.modules():
         if isinstance(m, torch.nn.Linear) and not any(m is s for s in skip):
             m.to(torch.bfloat16)
             n += 1
+    for p in model.parameters():
+        if p.dtype != torch.bfloat16:
+            p.data = p.data.clone()
     return n
 
 
