@@ -226,10 +226,21 @@ def test_several_optimizer_steps_need_prepared_old_logprobs(tiny_model_dir):
         learner.update(trajs, advs, prepared=p)
 
 
+def _logp_and_grads(learner, seqs, masks, groups):
+    """The policy's log-probs and entropies of ``seqs`` (policy tokens ``masks``, shared prompts by ``groups``) and
+    the gradients of a fixed weighting of those log-probs (detached log-probs, entropies, gradients by name)."""
+    from core.advantages import pad_rows
+
+    ids, att = learner._pad(seqs)
+    need = pad_rows(masks, ids.shape[1]).bool()
+    logp, ent = learner._token_logp(learner.model, ids, att, with_entropy=True, need=need, groups=groups)
+    (logp * need * torch.linspace(-1, 1, len(seqs))[:, None]).sum().backward()
+    return logp.detach(), ent, {k: p.grad.clone() for k, p in learner.model.named_parameters()}
+
+
 def test_shared_prompt_forward_gives_the_same_logprobs_and_gradients(tiny_model_dir):
     """Rows of a group run their common prompt once (core.prefix); log-probs and gradients must be those
     of one full forward per row."""
-    from core.advantages import pad_rows
     from core.prefix import plan_shared_prefixes
 
     runs = {}
@@ -243,11 +254,7 @@ def test_shared_prompt_forward_gives_the_same_logprobs_and_gradients(tiny_model_
         if share:
             blocks = plan_shared_prefixes(seqs, masks, groups, learner.cfg.min_shared_prefix)
             assert len(blocks) == 3 and all(b.prefix_len > 16 for b in blocks)  # the test shares for real
-        ids, att = learner._pad(seqs)
-        need = pad_rows(masks, ids.shape[1]).bool()
-        logp, ent = learner._token_logp(learner.model, ids, att, with_entropy=True, need=need, groups=groups)
-        (logp * need * torch.linspace(-1, 1, len(seqs))[:, None]).sum().backward()
-        runs[share] = (logp.detach(), ent, {k: p.grad.clone() for k, p in learner.model.named_parameters()},
+        runs[share] = (*_logp_and_grads(learner, seqs, masks, groups),
                        learner.sequence_logprobs(seqs, reference=False, masks=masks, groups=groups))
     (la, ea, ga, sa), (lb, eb, gb, sb) = runs[True], runs[False]
     assert torch.allclose(la, lb, atol=1e-5) and torch.allclose(ea, eb, atol=1e-5)
@@ -260,7 +267,6 @@ def test_shared_prompts_of_different_lengths_give_the_same_logprobs_and_gradient
     """Groups whose prompts differ in length (and a row with no group to share with) in one micro-batch: each group
     runs its prompt once and its rows' rests against it, the unshared row a plain forward; log-probs and gradients
     equal one full forward per row (fp32, 1e-5), with exact and with bucketed lengths."""
-    from core.advantages import pad_rows
     from core.prefix import plan_shared_prefixes
     from core.trajectory import Trajectory
 
@@ -291,11 +297,7 @@ def test_shared_prompts_of_different_lengths_give_the_same_logprobs_and_gradient
             base = learner.model.model
             real = base.forward
             base.forward = lambda *a, **k: (seen.append(tuple(k["input_ids"].shape)), real(*a, **k))[1]
-            ids, att = learner._pad(seqs)
-            need = pad_rows(masks, ids.shape[1]).bool()
-            logp, ent = learner._token_logp(learner.model, ids, att, with_entropy=True, need=need, groups=groups)
-            (logp * need * torch.linspace(-1, 1, len(seqs))[:, None]).sum().backward()
-            runs[share] = (logp.detach(), ent, {k: p.grad.clone() for k, p in learner.model.named_parameters()})
+            runs[share] = _logp_and_grads(learner, seqs, masks, groups)
             calls[share] = seen
         assert sorted(b for b, _ in calls[True]) == [1, 1, 1, 3, 3] and [b for b, _ in calls[False]] == [7]
         (la, ea, ga), (lb, eb, gb) = runs[True], runs[False]
