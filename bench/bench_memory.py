@@ -1,6 +1,6 @@
 """Where the smoke recipe's memory goes: resident memory by component, and the whole process tree's peak.
 
-    python bench/bench_memory.py [--preset smoke] [--steps 1] [--set key=value ...] [--out FILE.json]
+    python bench/bench_memory.py [--preset smoke] [--steps 1] [--set key=value ...] [--out FILE.json] [--log FILE]
     python bench/bench_memory.py --demo [--preset smoke] [--set key=value ...] [--out FILE.json]
 
 Runs the preset's phase as the product does (a ``Runtime``, ``open_session`` with the learner and the configured
@@ -8,8 +8,10 @@ generation engine, env servers, then per step ``rollout_batch`` -> ``compute_adv
 then ``evaluate_ids`` on ``eval.n`` held-out tasks), one stage at a time, while a thread samples the resident
 memory (RSS) of this process and of its whole tree (env servers, engine processes) every 20 ms. Prints per stage:
 the tree's RSS when the stage ends, its peak during the stage, and what the stage added; beside them, the sizes
-that explain them, computed from the model and the config: the policy's weights, gradients and AdamW state (fp32),
-the reference model, the vLLM engine's KV cache (its plan) and the vocabulary-wide tensors of one micro-batch.
+that explain them, computed from the model and the config: the policy's weights, gradients and AdamW state (all in
+fp32, and the gradients and optimizer state as ``algo.grad_dtype`` and ``algo.optimizer`` hold them), the reference
+model, the vLLM engine's KV cache (its plan) and the vocabulary-wide tensors of one micro-batch. The libraries' log
+(vLLM's engine lines) goes to a file, as in the product (``--log`` keeps a copy); the run's files are removed.
 RSS is not a timing: it holds on a busy machine too. Run it once per change, before and after, on one machine.
 
 ``--demo`` runs the whole recipe instead, as a user does (``scalinginter run ENV --preset NAME``, every phase and
@@ -23,7 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -102,7 +106,6 @@ def run_demo(a) -> None:
     """``--demo``: the recipe end to end in a child process, its tree's RSS against its console (module docstring)."""
     import resource
     import subprocess
-    import tempfile
 
     import psutil
 
@@ -188,7 +191,6 @@ def run_demo(a) -> None:
                                            "stages": stages,
                                            "samples": [(round(t, 2), round(tr / GiB, 3)) for t, tr, _ in
                                                        samples[::25]]}, indent=1))
-    import shutil
 
     shutil.rmtree(out_dir, ignore_errors=True)
     if rc != 0:
@@ -209,6 +211,12 @@ def sizes(cfg, learner, model_dir: str) -> dict[str, float]:
     n = sum(p.numel() for p in learner.model.parameters())
     out = {"policy_weights_fp32": n * 4 / GiB, "policy_grads_fp32": n * 4 / GiB, "adamw_state_fp32": 2 * n * 4 / GiB,
            "reference_weights_fp32": (n * 4 / GiB) if learner.ref is not None else 0.0}
+    # as this config holds them: gradients in algo.grad_dtype, the moments of algo.optimizer (8-bit: 2 bytes per
+    # parameter, the block scales left out); the keys above are the all-fp32 sizes
+    from core.preflight import OPTIMIZER_STATE_BYTES
+
+    out["policy_grads_as_configured"] = n * (2 if cfg.algo.grad_dtype == "bf16" else 4) / GiB
+    out["optimizer_state_as_configured"] = n * OPTIMIZER_STATE_BYTES[cfg.algo.optimizer] / GiB
     vocab = learner.model.config.vocab_size
     out["vocab_tensor_per_1k_policy_tokens_fp32"] = 1000 * vocab * 4 / GiB
     if cfg.rollout.backend == "vllm":
@@ -226,7 +234,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--demo", action="store_true", help="the whole recipe as `scalinginter run` (module docstring)")
     ap.add_argument("--echo", action="store_true", help="--demo: show the run's console as it goes")
-    ap.add_argument("--log", default=None, help="--demo: write the run's whole console to this file")
+    ap.add_argument("--log", default=None, help="write the libraries' log (--demo: the run's whole console) to this "
+                                                "file")
     ap.add_argument("--repo", default=None, help="--demo: run the code of this checkout (another commit, "
                                                  "for a before/after pair); default this one")
     a = ap.parse_args()
@@ -247,8 +256,12 @@ def main() -> None:
 
     if vllm_available():
         import vllm  # noqa: F401
-    cfg = resolve_run(build_config(a.env, a.preset, [f"output_dir=/tmp/bench-memory-{os.getpid()}"] + a.sets))
+    from runtime.console import quiet_console, restore_console
+
+    out_dir = tempfile.mkdtemp(prefix="bench-memory-")  # the run's files and the engines' chatter; removed at the end
+    cfg = resolve_run(build_config(a.env, a.preset, [f"output_dir={out_dir}"] + a.sets))
     model_dir = resolve_model(cfg.model.path)
+    chatter = quiet_console(Path(out_dir))  # library logging to a file, as the product's console does
     rows = []
 
     def record(stage: str) -> None:
@@ -293,6 +306,10 @@ def main() -> None:
         record(f"evaluation ({cfg.eval.n} held-out tasks, greedy)")
         T.close_session(key)
     sampler.close()
+    restore_console()
+    if chatter is not None and a.log and chatter.exists():
+        shutil.copyfile(chatter, a.log)
+    shutil.rmtree(out_dir, ignore_errors=True)
     whole = max(r["peak_tree_rss_gib"] for r in rows)
     flags = sorted(set(f for f in open("/proc/cpuinfo").read().split() if f in ("avx512_bf16", "amx_bf16")))
     print(f"\nwhole process tree's peak: {whole:.2f} GiB ({a.env} {a.preset}, backend {cfg.rollout.backend}, "
