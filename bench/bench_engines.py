@@ -18,7 +18,7 @@ evalscale: the smoke preset's engine (``EnginePool.backend_for``: KV cache sized
   its 16-episode training rollout (T=1.0, seeded) and its 96-episode evaluation (greedy, and sampled at T=1.0 as
   K > 1 evaluations are), all at 4 turns over HTTP in the product's rollout mode, in one run: generated tok/s and
   episode-turns/s of each, and their ratios.
-Prints a table and writes bench/results/engines-<time>.json. Run on an idle machine (flock /tmp/si-heavy.lock).
+Prints a table and writes bench/results/engines/engines-<time>.json. Run on an idle machine (flock /tmp/si-heavy.lock).
 """
 
 from __future__ import annotations
@@ -436,7 +436,8 @@ def main() -> None:
         rows += bench_env(a.env_steps)
     if a.only in (None, "evalscale"):
         rows += bench_evalscale()
-    out = Path(__file__).resolve().parent / "results" / f"engines-{a.only or 'all'}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = (Path(__file__).resolve().parent / "results" / "engines"
+           / f"engines-{a.only or 'all'}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(a), "rows": rows}, indent=2))
     print("\n" + table(rows) + f"\n\nwritten {out}")

@@ -8,7 +8,7 @@ Per env: resets/s and steps/s in-process, over HTTP with one client (sequential 
 well-formed action; episodes that end are reset). Then the RSS of a SciWorld server (the server process plus
 its JVMs) with ``--concurrency`` live envs, sampled every 100 episodes up to ``--rss-episodes`` (each episode:
 create, reset, 3 steps, close, so JVMs are reused through the pool); after a warm-up it must not grow.
-Prints a table and writes bench/results/bench_envs.json. Run it under the heavy lock on a shared machine.
+Prints a table and writes bench/results/envs/bench_envs.json. Run it under the heavy lock on a shared machine.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import envs  # noqa: E402,F401
 from envs.base import make_env, task_index  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent / "results" / "envs"
 
 
 def contract(name: str):
@@ -239,7 +239,7 @@ def main() -> None:
         for s in results["sciworld_rss"]["samples"]:
             print(f"  after {s['episodes']:>4} episodes: {s['rss_mb']:>8.1f} MB  ({s['jvms']} JVMs, "
                   f"{s['live_envs']} live envs)")
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / "bench_envs.json"
     out.write_text(json.dumps(results, indent=2))
     print(f"\nwrote {out}")

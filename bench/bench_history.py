@@ -10,7 +10,7 @@ env server over HTTP (multi-step levels, so the base model's episodes run to the
 - update: the learner's sequences (one per episode without a window, one per turn with one): tokens, tokens per
   episode-turn, the longest sequence, and sum of squared lengths per episode-turn (attention's share grows with
   it); with ``--update``, the wall time of one learner update (torch, the smoke preset's settings) on them.
-Prints a table and writes bench/results/history-<time>.json. Run on an idle machine.
+Prints a table and writes bench/results/history-window/history-<time>.json. Run on an idle machine.
 """
 
 from __future__ import annotations
@@ -118,8 +118,8 @@ def main() -> None:
     print(" | ".join(cols))
     for row in rows:
         print(" | ".join(f"{row[c]:.1f}" if isinstance(row.get(c), float) else str(row.get(c, "-")) for c in cols))
-    out = Path(__file__).parent / "results" / f"history-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(exist_ok=True)
+    out = Path(__file__).parent / "results" / "history-window" / f"history-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     cpu = sorted(set(x for x in open("/proc/cpuinfo").read().split() if x in ("avx512_bf16", "amx_bf16")))
     out.write_text(json.dumps({"cpu_flags": cpu, "nproc": os.cpu_count(), "args": vars(a), "rows": rows}, indent=2))
     print(f"wrote {out}")

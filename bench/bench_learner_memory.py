@@ -6,7 +6,7 @@ One policy-gradient update of SmolLM2-135M (the embedded model, the learner's ow
 ``--seqs`` sequences of ``--len`` tokens with action tokens spread through them (as in a 6-turn BabyAI episode),
 ``micro_batch_size`` = ``--seqs`` and each ``--caps`` value as ``algo.micro_batch_tokens``. Every setting runs in
 its own child process, so its peak RSS (``ru_maxrss``) is its own: model + optimizer + activations. Prints a table
-and writes bench/results/learner-memory-<time>.json. Run on an idle machine.
+and writes bench/results/learner-memory/learner-memory-<time>.json. Run on an idle machine.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def main() -> None:
         r = rows[-1]
         print(f"cap {str(r['cap']):>5}: update {r['update_s']:6.1f} s, peak RSS {r['peak_rss_gb']:5.2f} GB "
               f"(before the update {r['rss_before_update_gb']:.2f} GB)", flush=True)
-    res = ROOT / "bench" / "results"
+    res = ROOT / "bench" / "results" / "learner-memory"
     res.mkdir(parents=True, exist_ok=True)
     path = res / f"learner-memory-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps({"cpu_flags": flags, "rows": rows}, indent=2))

@@ -10,7 +10,7 @@
   ``--concurrency`` concurrent episodes (searches of concurrent episodes are batched in the server).
 
 Uses a private cache (a temp dir), so every build is a cold build. Prints a table and writes
-bench/results/bench_searchqa.json. Run it under the heavy lock on a shared machine.
+bench/results/envs/bench_searchqa.json. Run it under the heavy lock on a shared machine.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from envs.searchqa.data import DocStore, load_questions  # noqa: E402
 from envs.searchqa.oracle import oracle_reply  # noqa: E402
 from envs.searchqa.retriever import BM25Retriever, DenseRetriever  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent / "results" / "envs"
 
 
 def dir_mb(path: Path) -> float:
@@ -187,7 +187,7 @@ def main() -> None:
 
     width = max(len(r[0]) for r in rows)
     print("\n" + "\n".join(f"{k:<{width}}  {v}" for k, v in rows))
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "bench_searchqa.json").write_text(json.dumps(out, indent=1) + "\n")
     print(f"\nwrote {RESULTS / 'bench_searchqa.json'}")
     shutil.rmtree(TMP, ignore_errors=True)

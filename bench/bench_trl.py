@@ -15,7 +15,7 @@ Precision follows the hardware on both sides (bf16 autocast where bf16 is native
 
 Each side runs in its own child process; the parent samples the RSS of the child's whole process tree (our
 vLLM engine is a grandchild) every 0.2 s. Reported: seconds per step (median of the steps after the first,
-which pays for warm-up), trained tokens/s, peak RSS. Prints a table and writes bench/results/trl-<time>.json.
+which pays for warm-up), trained tokens/s, peak RSS. Prints a table and writes bench/results/trl/trl-<time>.json.
 Run on an idle machine.
 """
 
@@ -315,7 +315,7 @@ def main() -> None:
         if trl_rows and r is not trl_rows[0]:
             print(f"{r['framework']} vs TRL: {trl_rows[0]['step_s'] / r['step_s']:.2f}x faster per step, "
                   f"{r['peak_rss_gib'] / trl_rows[0]['peak_rss_gib']:.2f}x TRL's peak memory")
-    res = ROOT / "bench" / "results" / f"trl-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    res = ROOT / "bench" / "results" / "trl" / f"trl-{time.strftime('%Y%m%d-%H%M%S')}.json"
     res.parent.mkdir(parents=True, exist_ok=True)
     res.write_text(json.dumps({"workload": {"prompts": PROMPTS, "generations": GENS, "max_new_tokens": NEW_TOKENS,
                                             "micro_batch": MICRO, "lr": LR, "kl": KL,

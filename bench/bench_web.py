@@ -5,7 +5,8 @@
 Runs the ``webarena`` env (local shop + forum) in-process with the scripted expert (so every step is a real
 page action), then MiniWoB with its reference solutions. RSS is the resident memory of the Chromium processes
 this benchmark started (browser + renderers; the Playwright driver is reported separately). Prints a table and
-writes bench/results/bench_web.json. Run under the heavy lock: ``flock /tmp/si-heavy.lock python bench/bench_web.py``.
+writes bench/results/envs/bench_web.json. Run under the heavy lock:
+``flock /tmp/si-heavy.lock python bench/bench_web.py``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import psutil  # noqa: E402
 
 from envs.base import make_env, task_index  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent / "results" / "envs"
 
 
 def chromium_rss_mb() -> tuple[float, float, int]:
@@ -168,7 +169,7 @@ def main() -> None:
               f" ({row['chromium_processes']}); driver {row['driver_rss_mb']:.0f}")
     if len(ctx) > 2:
         print(f"{'PSS per browser context (MB, slope)':58s} {ctx[-1]['rss_per_context_mb']:.1f}")
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / "bench_web.json"
     out.write_text(json.dumps(res, indent=1))
     print(f"\nwrote {out} ({res['wall_s']:.0f} s)")
