@@ -518,6 +518,21 @@ def rloo(batch: AdvantageBatch, p: EstimatorParams) -> AdvantageResult:
     return AdvantageResult(score.float()[:, None] * batch.mask)
 
 
+def filtered_bc_reference(rewards: Sequence[float], masked: Sequence[bool] | None = None) -> list[float]:
+    """Filtered behaviour cloning's sequence scores: 1 for a live episode with a positive return (a success), else
+    0 (failures and masked episodes: no gradient, never a negative one)."""
+    masked = list(masked) if masked is not None else [False] * len(rewards)
+    return [1.0 if float(r) > 0 and not m else 0.0 for r, m in zip(rewards, masked)]
+
+
+@register("filtered-bc", description="behaviour cloning on the batch's successful episodes (advantage 1 on their "
+                                     "policy tokens, 0 elsewhere)")
+def filtered_bc(batch: AdvantageBatch, p: EstimatorParams) -> AdvantageResult:
+    _per_turn(p, "filtered-bc", allowed=False)
+    score = (sequence_rewards(batch) > 0) & batch.live
+    return AdvantageResult(score.float()[:, None] * batch.mask)
+
+
 @register("reinforce++", kl_in_reward=True,
           description="token returns with the KL penalty in the reward, whitened over the global batch")
 def reinforce_pp(batch: AdvantageBatch, p: EstimatorParams) -> AdvantageResult:

@@ -189,6 +189,15 @@ class RolloutConfig(_Strict):
                                 "own training sample (its prompt, its reply tokens, the turn's advantage) and "
                                 "token_budget bounds each turn's prompt + reply. None: all turns (one growing "
                                 "sequence per episode).")
+    dynamic_sampling_rounds: int = Field(
+        0, ge=0, description="Dynamic sampling: groups whose live samples all got the same reward (no group-relative "
+                             "signal) are dropped and up to this many extra rollout rounds of fresh tasks refill the "
+                             "step's tasks_per_step groups; the step trains on the groups with signal it has after "
+                             "the last round (logged: groups kept and dropped, rounds used). 0: off.")
+    task_filter: Literal["none", "fits_turns"] = Field(
+        "none", description="How a step's training tasks are drawn: none (uniformly from env.task_pool) or "
+                            "fits_turns (only tasks whose expert needs at most the phase's turn limit, read from "
+                            "the env's info['required_turns'] at reset; for envs that label their tasks, BabyAI).")
     max_live_episodes: int | None = Field(
         None, ge=1, description="Episodes running at once (train and eval); the next start as others end. None: "
                                 "all at once. Set it to what the env servers hold (browser contexts, JVMs) x "
@@ -212,9 +221,31 @@ class CriticConfig(_Strict):
 
 
 class AlgoConfig(_Strict):
-    estimator: Literal["grpo", "ppo", "reinforce++", "rloo", "gigpo"] = Field(
-        "grpo", description="Advantage estimator: grpo, ppo (GAE + critic), reinforce++, rloo or gigpo (GRPO's episode "
-                            "advantage plus a step advantage among the group's turns from the same observation).")
+    estimator: Literal["grpo", "ppo", "reinforce++", "rloo", "gigpo", "filtered-bc"] = Field(
+        "grpo", description="Advantage estimator: grpo, ppo (GAE + critic), reinforce++, rloo, gigpo (GRPO's episode "
+                            "advantage plus a step advantage among the group's turns from the same observation) or "
+                            "filtered-bc (behaviour cloning on the step's own successful episodes: advantage 1 on "
+                            "their policy tokens, 0 elsewhere; no negative gradient).")
+    skip_no_signal: bool = Field(
+        False, description="A step whose batch holds no nonzero advantage (and no expert-relabelled sample) changes "
+                           "no weight and no optimizer state: the update and the weight sync are skipped and the step "
+                           "is logged with train/skipped = 1 (otherwise AdamW's momentum moves every weight anyway).")
+    truncated: Literal["fail", "mask"] = Field(
+        "fail", description="Episodes a turn limit or token budget cut short: fail (scored as failures like any "
+                            "other) or mask (left out of the policy-gradient loss: their advantage is 0; they still "
+                            "count in their group's baseline).")
+    expert_coef: float = Field(
+        0.0, ge=0, description="Weight of an auxiliary log-likelihood term on the env expert's reply at states the "
+                               "policy visited (DAgger-style relabels, see expert_turns), added to the policy loss as "
+                               "expert_coef x the token-mean NLL of the relabelled replies. Needs an env with a "
+                               "scripted expert (envs/<env>/contract.py: expert_action). 0: off.")
+    expert_decay: Literal["none", "linear"] = Field(
+        "none", description="How expert_coef changes over the run: none (constant) or linear (expert_coef x (1 - "
+                            "global step / total steps)).")
+    expert_turns: int = Field(
+        1, ge=1, description="Relabelled states per episode for the expert term: the first this many turns whose "
+                             "reply differs from the expert's, earliest first (each is one extra learner sequence: "
+                             "the episode up to that turn, then the expert's reply).")
     lr: float = Field(1e-6, ge=0, description="AdamW learning rate of the policy.")
     weight_decay: float = Field(0.0, ge=0)
     optimizer: Literal["adamw", "adamw8bit"] = Field(
@@ -292,13 +323,17 @@ class AlgoConfig(_Strict):
             if self.lam != 1.0:
                 raise ValueError(f"algo.lam is a GAE parameter and does nothing for {self.estimator!r}: set "
                                  "algo.estimator=ppo or leave algo.lam at 1.0")
-        if self.discount == "turn" and self.estimator in ("ppo", "rloo"):
+        if self.discount == "turn" and self.estimator in ("ppo", "rloo", "filtered-bc"):
             raise ValueError(f"algo.discount=turn is not defined for {self.estimator!r}: use reinforce++, grpo or "
                              "gigpo, or leave algo.discount at token")
-        if (self.estimator == "rloo" or (self.estimator == "grpo" and self.discount == "token")) and self.gamma != 1.0:
+        if (self.estimator in ("rloo", "filtered-bc") or (self.estimator == "grpo" and self.discount == "token")) \
+                and self.gamma != 1.0:
             raise ValueError(f"algo.gamma does nothing for {self.estimator!r} (a sequence-level outcome "
                              "estimator): use ppo, reinforce++ or gigpo (or grpo with algo.discount=turn), or leave "
                              "algo.gamma at 1.0")
+        if self.expert_coef == 0 and (self.expert_decay != "none" or self.expert_turns != 1):
+            raise ValueError("algo.expert_decay / algo.expert_turns shape the expert term, which is off "
+                             "(algo.expert_coef=0): set algo.expert_coef > 0 or drop them")
         if self.estimator != "gigpo" and self.gigpo_step_weight != 1.0:
             raise ValueError(f"algo.gigpo_step_weight does nothing for {self.estimator!r}: set algo.estimator=gigpo "
                              "or leave it at 1.0")
@@ -416,6 +451,13 @@ class RunConfig(_Strict):
         if ln.engine == "deepspeed" and self.algo.optimizer != "adamw":
             raise ValueError(f"algo.optimizer={self.algo.optimizer} is the torch learner's: DeepSpeed builds its own "
                              "AdamW (set algo.optimizer=adamw, or learner.engine=torch)")
+        if ln.engine == "deepspeed" and self.algo.expert_coef > 0:
+            raise ValueError("algo.expert_coef's relabelled samples are trained by the torch learner: set "
+                             "learner.engine=torch, or algo.expert_coef=0")
+        if self.rollout.dynamic_sampling_rounds and self.algo.estimator not in ("grpo", "rloo", "gigpo"):
+            raise ValueError(f"rollout.dynamic_sampling_rounds drops groups without reward variance, which only "
+                             f"matters to a group-relative estimator (grpo, rloo, gigpo), not {self.algo.estimator!r}: "
+                             "set rollout.dynamic_sampling_rounds=0")
         if ln.engine == "deepspeed" and self.algo.grad_dtype != "fp32":
             raise ValueError(f"algo.grad_dtype={self.algo.grad_dtype} is the torch learner's: DeepSpeed keeps its own "
                              "gradients (set algo.grad_dtype=fp32, or learner.engine=torch)")

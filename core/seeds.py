@@ -14,3 +14,11 @@ def episode_seed(base: int, episode: int, turn: int) -> int:
     """The sampling seed of one episode's turn: a pure function of the step's base seed, the episode's index in
     the batch and the turn, so it does not depend on which other episodes are still running."""
     return (base * 1_000_003 + episode * 10_007 + turn) % (2**31 - 1)
+
+
+def round_seed(step_base: int, rollout_round: int) -> int:
+    """The base seed of a step's extra rollout round (dynamic sampling refills groups without signal): round 0 is
+    the step's own base seed; later rounds draw other tasks and samples, still a pure function of the position."""
+    if rollout_round < 0:
+        raise ValueError(f"rollout_round must be >= 0, got {rollout_round}")
+    return step_base if rollout_round == 0 else step_base + rollout_round * 1_000_000_007

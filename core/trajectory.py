@@ -44,6 +44,9 @@ class Trajectory:
     replies: list[str] | None = None  # the policy's text of each turn (set when the rollout pass ends)
     actions: list[str | None] | None = None  # the env's parsed action of each turn (None: it named none)
     invalid_actions: list[bool] | None = None  # the env flagged the turn's reply as no valid action
+    # the env expert's reply at the state each turn acted on (entry k: before turn k; one more entry may follow the
+    # last turn); None where the rollout asked no expert (algo.expert_coef = 0), an entry None where it had none
+    expert_replies: list[str | None] | None = None
     category: str | None = None  # the env's task category (per-category eval scores)
     required_turns: int | None = None  # the fewest turns the env's expert needs (results by horizon)
     episode_metrics: dict[str, float] | None = None  # numbers the env reports besides the reward (SciWorld's score)
@@ -187,6 +190,31 @@ def join_rows(rows: list[list[float]], where: list[tuple[int, int, int]], length
 def split_rows(rows: list[list[float]], where: list[tuple[int, int, int]]) -> list[list[float]]:
     """Per-token rows of the trajectories cut into rows of their samples (``turn_samples``)."""
     return [list(rows[i][a:b]) for i, a, b in where]
+
+
+def reply_starts(traj: Trajectory) -> list[int]:
+    """The index of each turn's first policy token (turn k's reply runs from here to ``action_ends[k]``)."""
+    out, prev = [], -1
+    for end in traj.action_ends:
+        p = prev + 1
+        while p <= end and not traj.loss_mask[p]:
+            p += 1
+        out.append(p)
+        prev = end
+    return out
+
+
+def relabel_sample(traj: Trajectory, turn: int, reply_ids: list[int]) -> tuple[list[int], list[int]]:
+    """The sequence that teaches ``reply_ids`` at the state turn ``turn`` of ``traj`` acted on: the context the
+    policy saw then (the trajectory up to that turn's reply; with a history window, that turn's own sample up to
+    its reply), then ``reply_ids``; and its loss mask (1 on ``reply_ids`` only)."""
+    if not 0 <= turn < traj.turns:
+        raise ValueError(f"turn {turn} is not a turn of this {traj.turns}-turn trajectory")
+    if not reply_ids:
+        raise ValueError("an empty reply teaches nothing")
+    start = traj.segment_starts[turn] if traj.segment_starts else 0
+    ctx = traj.token_ids[start:reply_starts(traj)[turn]]
+    return ctx + list(reply_ids), [0] * len(ctx) + [1] * len(reply_ids)
 
 
 def is_truncated(traj: Trajectory) -> bool:

@@ -20,7 +20,21 @@ def build_config(env: str, preset: str | None = None, overrides: list[str] | Non
             presets = env_presets(env)
         except KeyError as e:
             raise ConfigError(str(e.args[0])) from None
-    return _build(env, preset, overrides, extra, presets=presets)
+    cfg = _build(env, preset, overrides, extra, presets=presets)
+    check_env_levers(cfg)
+    return cfg
+
+
+def check_env_levers(cfg: RunConfig) -> None:
+    """Levers that need something of the env, refused when the config is read: the expert term needs the env's
+    scripted expert (envs/<env>/contract.py: expert_action)."""
+    if cfg.algo.expert_coef > 0:
+        import tasks.demos
+
+        try:
+            tasks.demos.expert_for(cfg.env.name)
+        except tasks.demos.DemoError as e:
+            raise ConfigError(f"{e}; algo.expert_coef needs one: set algo.expert_coef=0") from None
 
 
 __all__ = ["ConfigError", "build_config"]

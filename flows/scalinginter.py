@@ -76,7 +76,7 @@ def _phase(config: RunConfig, phase: int, init_ref: str, parent_run_id: str | No
             T.ensure_servers_alive(key)
             batch = T.rollout_batch(key, urls, gstep, limit)
             adv = T.compute_advantages(key, batch)
-            upd = T.policy_update(key, batch, adv)
+            upd = T.policy_update(key, batch, adv, gstep)
             rec.step(i, gstep, limit, batch, adv, upd, time.time() - t0)
             last = prog.advance(i, batch.metrics, rec)
             del batch, adv  # spent: the next rollout runs without this step's episodes and log-probs in memory

@@ -125,6 +125,9 @@ class RolloutRuntime:
     # run each episode as its own loop when the backend has a request-level engine (``request_engine()``, vLLM);
     # other backends (transformers) run lock-step whatever this says
     async_episodes: bool = True
+    # the env's scripted expert (observation, info) -> its reply or None: when set, every episode records the
+    # expert's reply at each state it acted on (``Trajectory.expert_replies``; the expert term's relabels)
+    expert: Callable[[str, dict], "str | None"] | None = None
 
 
 async def rollout(req: RolloutRequest, rt: RolloutRuntime) -> tuple[list[Trajectory], RolloutStats]:
@@ -192,7 +195,7 @@ class _Episodes:
 
     def __init__(self, req: RolloutRequest, rt: RolloutRuntime, episode_ids: list[int] | None,
                  async_episodes: bool = False):
-        self.req, self.chat = req, rt.chat
+        self.req, self.chat, self.expert = req, rt.chat, rt.expert
         self.ids, self.limits = _plan(req, rt, episode_ids)
         self.n = len(req.specs)
         self.stats = RolloutStats(episodes=self.n, live_cap=rt.max_live, async_episodes=async_episodes)
@@ -228,6 +231,8 @@ class _Episodes:
         if r.info.get("required_turns") is not None:  # the fewest turns an expert needs (results by horizon)
             tr.required_turns = int(r.info["required_turns"])
         tr.start(prompt)
+        if self.expert is not None:
+            tr.expert_replies = [self.ask_expert(r)]
         if len(prompt) + 1 >= self.req.token_budget:
             tr.finish("token_budget")
             return False
@@ -261,6 +266,8 @@ class _Episodes:
     def apply_reply(self, i: int, r: EnvReply | Exception, g: Generation) -> bool:
         """Count the env step and apply its reply to episode ``i``'s turn (``g``); True if the episode goes on."""
         self.stats.env_steps += 1
+        if self.expert is not None and not isinstance(r, Exception) and self.trajs[i].expert_replies is not None:
+            self.trajs[i].expert_replies.append(None if r.terminated else self.ask_expert(r))
         k = self.req.history_turns
         if k is None:
             return _apply_reply(self.trajs[i], r, self.limits[i], self.req.token_budget,
@@ -271,6 +278,15 @@ class _Episodes:
             return self.chat.window_prompt_ids(self.instructions[i], self.seen[i], self.replies[i], self.stopped[i], k)
 
         return _apply_reply(self.trajs[i], r, self.limits[i], self.req.token_budget, next_sample, new_sample=True)
+
+    def ask_expert(self, r: EnvReply) -> str | None:
+        """The expert's reply at the state ``r`` shows (None: it has none, or it failed: a relabel is lost, never
+        the episode)."""
+        try:
+            text = self.expert(r.observation, dict(r.info))
+        except Exception:  # noqa: BLE001 - the expert is a training aid; the episode goes on without its label
+            return None
+        return text if isinstance(text, str) and text.strip() else None
 
     def close(self, i: int) -> Awaitable[EnvReply | Exception]:
         """Close episode ``i``'s env: a finished episode gives its env (and its pool slot) back at once."""

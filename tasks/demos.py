@@ -118,12 +118,28 @@ class ExpertBackend:
                 self.pending.gave_up.add(e)
                 out.append(Generation([self.eos_token_id], [0.0], "stop"))
                 continue
-            ids = list(self.tokenizer(action_reply(text), add_special_tokens=False)["input_ids"]) + [self.eos_token_id]
-            if len(ids) > params.max_new_tokens:  # as a sampled reply: cut at the turn's token cap, no EOS
-                out.append(Generation(ids[:params.max_new_tokens], [0.0] * params.max_new_tokens, "length"))
-            else:
-                out.append(Generation(ids, [0.0] * len(ids), "stop"))
+            ids, finish = expert_reply_tokens(self.tokenizer, text, params.max_new_tokens)
+            out.append(Generation(ids, [0.0] * len(ids), finish))
         return out
+
+
+def expert_reply_tokens(tokenizer: Any, text: str, max_new_tokens: int) -> tuple[list[int], str]:
+    """The expert's text as the ids a model would have sampled: ``Action: <action>`` + EOS ("stop"), or cut at the
+    turn's token cap without EOS ("length")."""
+    ids = list(tokenizer(action_reply(text), add_special_tokens=False)["input_ids"]) + [int(tokenizer.eos_token_id)]
+    if len(ids) > max_new_tokens:
+        return ids[:max_new_tokens], "length"
+    return ids, "stop"
+
+
+def expert_reply_ids(tokenizer: Any, text: str | None, max_new_tokens: int) -> list[int] | None:
+    """The expert's reply ids for a relabel (``expert_reply_tokens``); None when it has no usable reply."""
+    if text is None:
+        return None
+    try:
+        return expert_reply_tokens(tokenizer, text, max_new_tokens)[0]
+    except ValueError:  # a text that names no single action: nothing to imitate at this state
+        return None
 
 
 @dataclass

@@ -30,7 +30,7 @@ from core.redact import redact_uri
 from core.chat import ChatFormat
 from core.config import RunConfig
 from core.metrics import episode_metrics
-from core.seeds import step_seed
+from core.seeds import round_seed, step_seed
 from core.trajectory import Trajectory, join_rows, split_rows, turn_samples
 from envs.base import task_index
 from runtime.context import Runtime, Session
@@ -163,11 +163,52 @@ def close_session(key: str) -> None:
 
 
 # --- data position: tasks are a pure function of (seed, global step) ---------------------------------
-def train_tasks_for_step(cfg: RunConfig, global_step: int) -> list[int]:
-    rng = random.Random(step_seed(cfg.seed, global_step))
+def train_tasks_for_step(cfg: RunConfig, global_step: int, rollout_round: int = 0, n: int | None = None) -> list[int]:
+    """The step's train tasks (round > 0: dynamic sampling's refills; ``n``: how many, default tasks_per_step)."""
+    rng = random.Random(round_seed(step_seed(cfg.seed, global_step), rollout_round))
     pool = cfg.env.task_pool
-    n = cfg.rollout.tasks_per_step
+    n = cfg.rollout.tasks_per_step if n is None else n
     return rng.sample(range(pool), n) if n <= pool else [rng.randrange(pool) for _ in range(n)]
+
+
+LABEL_DRAWS = 64  # fits_turns: candidate tasks labelled per step at most, as multiples of tasks_per_step
+
+
+def _fitting_tasks(s: Session, urls: list[str], global_step: int, rollout_round: int, turn_limit: int) -> list[int]:
+    """rollout.task_filter=fits_turns: the step's tasks drawn from those whose expert needs at most ``turn_limit``
+    turns (the env's ``info["required_turns"]`` at reset), in the seeded candidate order; a pure function of the
+    position, so a resumed step draws the same. Fewer candidates fit than wanted: the rest are filled unfiltered."""
+    from core.levers import fits_turns
+    from envs.agentgym import make_async_client
+
+    n = s.cfg.rollout.tasks_per_step
+    cands = train_tasks_for_step(s.cfg, global_step, rollout_round, n=min(n * LABEL_DRAWS, s.cfg.env.task_pool))
+
+    async def labels() -> list[int]:
+        c = make_async_client(s.cfg.env.dialect, urls[0], s.cfg.env.name, s.cfg.env.request_timeout_s)
+        out: list[int] = []
+        try:
+            env_id = await c.create()
+            try:
+                for t in cands:
+                    r = await c.reset(env_id, t)
+                    turns = r.info.get("required_turns")
+                    if fits_turns(int(turns) if turns is not None else None, turn_limit):
+                        out.append(t)
+                        if len(out) == n:
+                            break
+            finally:
+                await c.close(env_id)
+        finally:
+            await c.aclose()
+        return out
+
+    picked = asyncio.run(labels())  # inside the step's "rollout" time
+    if len(picked) < n:
+        print(f"  [step {global_step + 1}] only {len(picked)} of {len(cands)} candidate tasks fit {turn_limit} turns; "
+              "the rest are drawn unfiltered")
+        picked += [t for t in cands if t not in picked][: n - len(picked)]
+    return picked
 
 
 def eval_tasks(n: int) -> list[int]:
@@ -195,7 +236,8 @@ async def live_cap(clients: list[Any], configured: int | None) -> tuple[list[int
 def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, turn_limit: int,
              temperature: float, max_new_tokens: int, label: str,
              seed: int | None = None, specs: list[Any] | None = None,
-             after_turn: Callable[[int], None] | None = None) -> tuple[list[Trajectory], dict[str, float]]:
+             after_turn: Callable[[int], None] | None = None,
+             expert: Callable[[str, dict], "str | None"] | None = None) -> tuple[list[Trajectory], dict[str, float]]:
     from envs.agentgym import make_async_client
     from runtime.backends.generation import SamplingParams
     from envs.sessions import PooledEpisode, ServerSlots
@@ -252,7 +294,7 @@ def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, tur
                 return await asyncio.to_thread(_replace_dead_servers, s)
 
             return await rollout(req, RolloutRuntime(s.backend, s.chat, make, cap, s.cfg.rollout.env_retries, heal,
-                                                     on_round, s.cfg.rollout.async_episodes))
+                                                     on_round, s.cfg.rollout.async_episodes, expert))
         finally:
             for c in clients:
                 await c.aclose()
@@ -266,23 +308,72 @@ def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, tur
 @timed("rollout")
 def rollout_batch(key: str, urls: list[str], global_step: int, turn_limit: int) -> Batch:
     """The step's episodes: its tasks (a function of the global step), ``samples_per_task`` each, at ``turn_limit``."""
+    from core.levers import group_has_variance, keep_groups
+
     s = get_session(key)
     r = s.cfg.rollout
-    tasks = train_tasks_for_step(s.cfg, global_step)
     reported: list[int] = []
+    expert = _expert(s.cfg)
 
     def after_turn(rnd: int) -> None:  # test hook (runtime.killpoint): one arrival per step, at its first progress report
         if not reported:
             reported.append(rnd)
             kill_point("rollout")
 
-    trajs, metrics = _rollout(s, urls, tasks, r.samples_per_task, turn_limit, r.temperature, r.max_new_tokens,
-                              f"step {global_step + 1}", seed=step_seed(s.cfg.seed, global_step),
-                              after_turn=after_turn)
+    def one_round(k: int) -> tuple[list[Trajectory], dict[str, float]]:
+        tasks = (_fitting_tasks(s, urls, global_step, k, turn_limit) if r.task_filter == "fits_turns"
+                 else train_tasks_for_step(s.cfg, global_step, k))
+        label = f"step {global_step + 1}" + (f" round {k + 1}" if k else "")
+        return _rollout(s, urls, tasks, r.samples_per_task, turn_limit, r.temperature, r.max_new_tokens, label,
+                        seed=round_seed(step_seed(s.cfg.seed, global_step), k), after_turn=after_turn, expert=expert)
+
+    trajs, metrics = one_round(0)
+    if r.dynamic_sampling_rounds:  # drop groups without reward variance, refill with fresh tasks (DAPO)
+        rounds, flags = [trajs], [_variance_flags(trajs, group_has_variance)]
+        while sum(map(sum, flags)) < r.tasks_per_step and len(rounds) <= r.dynamic_sampling_rounds:
+            more, m = one_round(len(rounds))
+            rounds.append(more)
+            flags.append(_variance_flags(more, group_has_variance))
+            for k in ("rollout_time_s", "generated_tokens", "retried_episodes", "recovered_episodes",
+                      "env_servers_replaced"):
+                metrics[k] = metrics.get(k, 0.0) + m.get(k, 0.0)
+        kept = keep_groups(flags, r.tasks_per_step)
+        everything = [t for rnd in rounds for t in rnd]
+        metrics.update({k: v for k, v in episode_metrics(everything).items()})  # what the policy did this step
+        metrics["dyn/rounds"] = float(len(rounds))
+        metrics["dyn/groups_rolled"] = float(sum(len(f) for f in flags))
+        metrics["dyn/groups_kept"] = float(len(kept))
+        metrics["dyn/groups_dropped"] = float(sum(len(f) for f in flags) - len(kept))
+        metrics["dyn/first_round_zero_var_frac"] = 1.0 - sum(flags[0]) / max(1, len(flags[0]))
+        if kept:
+            groups = [[t for t in rounds[k] if t.group_id == g] for k, g in kept]  # all picked, then renumbered
+            trajs = []
+            for new_gid, group in enumerate(groups):
+                for t in group:
+                    t.group_id = new_gid
+                trajs += group
+        # no group with signal after the last round: the first round's groups, a step without signal
     for t in trajs:
         t.turn_limit = turn_limit
     metrics["max_turns_seen"] = float(max((t.turns for t in trajs), default=0))
     return Batch(trajs, metrics)
+
+
+def _variance_flags(trajs: list[Trajectory], has_variance: Callable[..., bool]) -> list[bool]:
+    """Per group id (0..G-1, the rollout's order), whether its live samples' rewards differ."""
+    groups: dict[int, list[Trajectory]] = {}
+    for t in trajs:
+        groups.setdefault(t.group_id, []).append(t)
+    return [has_variance([t.reward for t in groups[g]], [t.masked for t in groups[g]]) for g in sorted(groups)]
+
+
+def _expert(cfg: RunConfig) -> Callable[[str, dict], "str | None"] | None:
+    """The env's scripted expert when the expert term is on (algo.expert_coef > 0), else None."""
+    if not cfg.algo.expert_coef:
+        return None
+    from tasks.demos import expert_for
+
+    return expert_for(cfg.env.name)
 
 
 def local_critic_path(ref: str | None) -> str | None:
@@ -317,7 +408,36 @@ def compute_advantages(key: str, batch: Batch) -> Advantages:
         kl=per_token("kl") if spec.kl_in_reward else None,
         final_values=_last_sample_values(s.learner.final_values(samples, prepared), where, len(trajs))
         if spec.needs_critic else None)
+    if a.truncated == "mask":  # truncated episodes leave the policy-gradient loss (DAPO's overlong filtering)
+        from core.levers import mask_truncated
+
+        advantages = mask_truncated(advantages, [t.finish_reason for t in trajs])
+        stats["truncated_masked"] = float(sum(t.finish_reason in ("turn_limit", "token_budget") and not t.masked
+                                              for t in trajs))
+        stats["episodes_with_signal"] = float(sum(1 for row in advantages if any(x != 0 for x in row)))
     return Advantages(advantages, returns, prepared, stats)
+
+
+def expert_samples(s: Session, trajs: list[Trajectory]) -> list[tuple[list[int], list[int], int]]:
+    """The expert term's relabelled sequences (algo.expert_turns per episode): for each chosen turn, the episode up
+    to that turn's reply, then the expert's reply (``tasks.demos.expert_reply_ids``, loss mask 1 on it); with the
+    episode's group id (a group's samples share their prompt's forward)."""
+    from core.levers import relabel_turns
+    from core.trajectory import relabel_sample
+    from tasks.demos import expert_reply_ids
+
+    out = []
+    for t in trajs:
+        if t.masked or not t.expert_replies or not t.replies:
+            continue
+        for k in relabel_turns(t.replies, t.expert_replies, s.cfg.algo.expert_turns):
+            reply = expert_reply_ids(s.tokenizer, t.expert_replies[k], s.cfg.rollout.max_new_tokens)
+            if reply is None:
+                continue
+            ids, mask = relabel_sample(t, k, reply)
+            if len(ids) <= s.cfg.rollout.token_budget:
+                out.append((ids, mask, t.group_id))
+    return out
 
 
 def _last_sample_values(values: list[float] | None, where: list[tuple[int, int, int]], n: int) -> list[float] | None:
@@ -332,14 +452,32 @@ def _last_sample_values(values: list[float] | None, where: list[tuple[int, int, 
 
 @task(name="policy-update", **TASK_OPTS)
 @timed("update")
-def policy_update(key: str, batch: Batch, adv: Advantages) -> dict[str, float]:
-    """One update of the policy (and critic) on ``batch`` with ``adv``; the generation engine gets the new weights."""
+def policy_update(key: str, batch: Batch, adv: Advantages, global_step: int | None = None) -> dict[str, float]:
+    """One update of the policy (and critic) on ``batch`` with ``adv``; the generation engine gets the new weights.
+    With algo.expert_coef the expert's relabelled replies join the update (weighted by the coefficient at
+    ``global_step``); with algo.skip_no_signal a batch without signal changes nothing (no update, no sync)."""
+    from core.levers import expert_coef_at, has_signal
+
     s = get_session(key)
+    a = s.cfg.algo
+    expert = None
+    if a.expert_coef:
+        from core.curriculum import total_steps
+
+        coef = expert_coef_at(a.expert_coef, a.expert_decay, global_step or 0,
+                              max(total_steps(s.cfg.curriculum.as_phases()), (global_step or 0) + 1))
+        relabels = expert_samples(s, batch.trajectories)
+        expert = (relabels, coef) if relabels and coef > 0 else None
+    if a.skip_no_signal and not has_signal(adv.advantages, len(expert[0]) if expert else 0):
+        print(f"  no advantage and no expert relabel in this batch: update skipped (weights and optimizer unchanged)")
+        return {"skipped": 1.0, "expert_samples": 0.0}
     samples, where = turn_samples(batch.trajectories)  # the sequences ``compute_advantages`` prepared, in its order
     if hasattr(s.backend, "sleep"):  # vLLM sleep mode: the engine frees the GPU for the update (no-op otherwise)
         s.backend.sleep()
     out = s.learner.update(samples, split_rows(adv.advantages, where), prepared=adv.prepared,
-                           returns=None if adv.returns is None else split_rows(adv.returns, where))
+                           returns=None if adv.returns is None else split_rows(adv.returns, where),
+                           **({"expert": expert} if expert else {}))
+    out.setdefault("skipped", 0.0)
     kill_point("update")  # test hook (runtime.killpoint): a no-op unless $SCALINGINTER_KILL_AT names it
     trim_heap()  # the update's freed activations go back to the OS before the engine's KV cache comes back
     with timed("weight_sync"):

@@ -130,6 +130,8 @@ class _UpdateBatch:
     prepared: Prepared
     own_old: bool
     kl_coef: float
+    # the expert term (algo.expert_coef): relabelled sequences (ids, loss mask, group id) and their weight
+    expert: tuple[list[tuple[list[int], list[int], int]], float] | None = None
 
     def traj(self, k: int) -> Trajectory:
         return self.trajs[self.prepared.live[k]]
@@ -544,9 +546,12 @@ class TorchLearner:
         return rows
 
     def update(self, trajs: list[Trajectory], advantages: list[list[float]], prepared: Prepared | None = None,
-               returns: list[list[float]] | None = None) -> dict[str, float]:
+               returns: list[list[float]] | None = None,
+               expert: tuple[list[tuple[list[int], list[int], int]], float] | None = None) -> dict[str, float]:
         """One training step over the batch. ``advantages[i]`` (and the critic targets ``returns[i]``) are per
-        token of ``trajs[i]``. PPO epochs and mini-batches are honoured as configured."""
+        token of ``trajs[i]``. PPO epochs and mini-batches are honoured as configured. ``expert``: relabelled
+        sequences ``(ids, loss mask, group id)`` and a weight mu; each optimizer step adds mu x the token-mean NLL
+        of its share of them (split like the mini-batches) to the policy loss (``_train_expert``)."""
         p = prepared if prepared is not None else self.prepare(trajs)
         if not p.live:
             return {"skipped": 1.0}
@@ -557,13 +562,49 @@ class TorchLearner:
             raise ValueError("an update of several optimizer steps needs prepared old log-probs")
         t0 = time.time()
         batch = _UpdateBatch(trajs, advantages, returns, p, own_old,
-                             self.cfg.kl_coef if self.cfg.kl_in_loss else 0.0)
+                             self.cfg.kl_coef if self.cfg.kl_in_loss else 0.0, expert)
         tally = _UpdateTally()
         self.model.train()
         for mini in self._mini_batches(len(p.live)):
             self._train_mini_batch(batch, mini, tally)
         self._release_grads()
         return self._update_stats(batch, tally, t0)
+
+    def _expert_share(self, batch: "_UpdateBatch", tally: "_UpdateTally") -> list[tuple[list[int], list[int], int]]:
+        """The expert sequences of the optimizer step about to run: the relabels split into as many near-equal parts
+        as an epoch has mini-batches, the step's own part (every epoch goes over all of them once)."""
+        if batch.expert is None:
+            return []
+        rows = batch.expert[0]
+        n_parts = max(1, min(self.cfg.mini_batches, len(batch.prepared.live)))
+        j = len(tally.grad_norms) % n_parts
+        return rows[j * len(rows) // n_parts:(j + 1) * len(rows) // n_parts]
+
+    def _train_expert(self, rows: list[tuple[list[int], list[int], int]], coef: float, tally: "_UpdateTally") -> None:
+        """Forward and backward of the expert term over ``rows``: coef x the token-mean NLL of their masked-in
+        tokens (the expert's replies), under the model's own distribution (temperature 1, as behaviour cloning),
+        accumulated into the optimizer step's gradients."""
+        denom = sum(sum(m) for _, m, _ in rows)
+        if not rows or denom <= 0:
+            return
+        saved, self.cfg = self.cfg, dataclasses.replace(self.cfg, temperature=1.0)
+        nll = 0.0
+        try:
+            for s, e in self._micro([len(ids) for ids, _, _ in rows]):
+                part = rows[s:e]
+                ids, att = self._pad([r[0] for r in part])
+                mask = self._dev(pad_rows([r[1] for r in part], ids.shape[1]))
+                self._checkpoint_for(ids.numel())
+                logp, _ = self._token_logp(self.model, ids, att, need=mask.bool(), groups=[r[2] for r in part])
+                loss, st = nll_loss(logp, mask, denom)
+                self._backward(coef * loss)
+                nll += st["nll"]
+                tally.n_tokens += int(att.sum())
+        finally:
+            self.cfg = saved
+        for k, v in (("expert_nll", nll), ("expert_samples", float(len(rows))), ("expert_tokens", float(denom)),
+                     ("expert_coef", float(coef))):
+            tally.agg.setdefault(k, []).append(v)
 
     def _mini_batches(self, n_live: int) -> Iterator[list[int]]:
         """The update's mini-batches (positions in ``Prepared.live``), epoch after epoch: exactly ``mini_batches``
@@ -588,6 +629,8 @@ class TorchLearner:
             self.critic.zero_grad()
         for s, e in self._micro([len(batch.prepared.seqs[k]) for k in mini]):
             self._train_micro_batch(batch, mini[s:e], w_seq[s:e], tally)
+        if batch.expert is not None:
+            self._train_expert(self._expert_share(batch, tally), batch.expert[1], tally)
         tally.grad_norms.append(self._step())
         if self.critic is not None:
             tally.critic_norms.append(self.critic.step())

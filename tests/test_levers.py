@@ -1,0 +1,344 @@
+"""The levers that keep RL from making a competent agent worse (issue 44), on hand-computed cases: the pure part
+(core.levers, the filtered-BC estimator, the relabel sample's layout), then each lever through the product's own
+code: a skipped step leaves weights and optimizer state bit-identical, dynamic sampling's batch holds the groups
+with signal, the expert term's gradient is coef x the gradient of the expert replies' token-mean NLL, and
+truncated episodes leave the loss."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from core.advantages import EstimatorParams, filtered_bc_reference, trajectory_advantages
+from core.levers import (expert_coef_at, fits_turns, group_has_variance, has_signal, keep_groups, mask_truncated,
+                         relabel_turns)
+from core.seeds import round_seed, step_seed
+from core.trajectory import Trajectory, relabel_sample, reply_starts
+
+
+# --- pure ------------------------------------------------------------------------------------------------
+def test_has_signal():
+    assert not has_signal([[0.0, 0.0], [0.0]])
+    assert has_signal([[0.0, 0.0], [0.0, -0.25]])
+    assert has_signal([[0.0]], expert_samples=1)
+    assert not has_signal([])
+    with pytest.raises(ValueError):
+        has_signal([[0.0]], expert_samples=-1)
+
+
+def test_group_has_variance():
+    assert not group_has_variance([0.0, 0.0, 0.0, 0.0])
+    assert not group_has_variance([0.9, 0.9])
+    assert group_has_variance([0.0, 0.0, 0.9, 0.0])
+    assert not group_has_variance([1.0, 0.0], masked=[False, True])  # one live sample: no baseline
+    assert not group_has_variance([])
+    with pytest.raises(ValueError):
+        group_has_variance([1.0, 0.0], masked=[False])
+
+
+def test_keep_groups_takes_groups_with_variance_in_round_order():
+    rounds = [[False, True, False, False], [True, False, True, True]]
+    assert keep_groups(rounds, 4) == [(0, 1), (1, 0), (1, 2), (1, 3)]
+    assert keep_groups(rounds, 2) == [(0, 1), (1, 0)]
+    assert keep_groups([[False, False]], 2) == []
+    with pytest.raises(ValueError):
+        keep_groups(rounds, 0)
+
+
+def test_mask_truncated_zeroes_rows_cut_by_a_limit():
+    adv = [[0.0, 1.5, 1.5], [0.0, -0.5], [0.0, -0.5, -0.5], [0.0, -0.5]]
+    reasons = ["success", "turn_limit", "failure", "token_budget"]
+    assert mask_truncated(adv, reasons) == [[0.0, 1.5, 1.5], [0.0, 0.0], [0.0, -0.5, -0.5], [0.0, 0.0]]
+    with pytest.raises(ValueError):
+        mask_truncated(adv, reasons[:2])
+
+
+def test_expert_coef_decays_linearly_over_the_run():
+    assert expert_coef_at(0.5, "none", 7, 12) == 0.5
+    assert expert_coef_at(0.5, "linear", 0, 12) == 0.5
+    assert expert_coef_at(0.6, "linear", 6, 12) == pytest.approx(0.3)
+    assert expert_coef_at(0.6, "linear", 11, 12) == pytest.approx(0.05)
+    with pytest.raises(ValueError):
+        expert_coef_at(0.5, "cosine", 0, 12)
+    with pytest.raises(ValueError):
+        expert_coef_at(0.5, "linear", 12, 12)
+
+
+def test_relabel_turns_picks_the_first_turns_that_leave_the_expert():
+    mine = ["Action: go to red ball 1", "Action: turn left", "Action: pick up", "Action: toggle"]
+    expert = ["action: go to red ball 1 ", "Action: move forward", "Action: pick up", "Action: open door",
+              "Action: done"]  # one more entry: the state after the last turn
+    assert relabel_turns(mine, expert, 1) == [1]
+    assert relabel_turns(mine, expert, 5) == [1, 3]
+    assert relabel_turns(mine, [None, None, "Action: pick up", None], 2) == []
+    assert relabel_turns(mine, expert, 0) == []
+
+
+def test_fits_turns():
+    assert fits_turns(3, 3) and fits_turns(1, 3) and fits_turns(None, 3)
+    assert not fits_turns(4, 3)
+
+
+def test_round_seed_keeps_round_zero_and_separates_later_rounds():
+    base = step_seed(7, 3)
+    assert round_seed(base, 0) == base
+    seeds = {round_seed(step_seed(s, g), r) for s in range(3) for g in range(50) for r in range(4)}
+    assert len(seeds) == 3 * 50 * 4
+
+
+def _traj(task: int, group: int, reward: float, reason: str, turns: int = 2) -> Trajectory:
+    t = Trajectory(task_id=task, group_id=group)
+    t.start([1, 2, 3])
+    for k in range(turns):
+        t.add_action([10 + k, 20 + k], [-1.0, -1.0])
+        if k == turns - 1:
+            t.set_turn_reward(reward)
+        else:
+            t.add_env([5, 6])
+    t.finish(reason, success=reward > 0)
+    return t
+
+
+def test_filtered_bc_scores_successes_one_and_everything_else_zero():
+    assert filtered_bc_reference([0.9, 0.0, 0.0, 0.5], [False, False, True, True]) == [1.0, 0.0, 0.0, 0.0]
+    trajs = [_traj(0, 0, 0.9, "success"), _traj(0, 0, 0.0, "failure"), _traj(1, 1, 0.0, "turn_limit")]
+    adv, _, _ = trajectory_advantages("filtered-bc", EstimatorParams(), trajs)
+    assert adv[0] == [float(m) for m in trajs[0].loss_mask]  # 1 on every policy token of the success
+    assert adv[1] == [0.0] * len(trajs[1].token_ids) and adv[2] == [0.0] * len(trajs[2].token_ids)
+
+
+def test_relabel_sample_is_the_context_of_the_turn_then_the_expert_reply():
+    t = _traj(0, 0, 0.0, "failure", turns=3)
+    # prompt 1 2 3 | turn 0: 10 20 | env 5 6 | turn 1: 11 21 | env 5 6 | turn 2: 12 22
+    assert reply_starts(t) == [3, 7, 11]
+    ids, mask = relabel_sample(t, 1, [99, 98])
+    assert ids == [1, 2, 3, 10, 20, 5, 6, 99, 98]
+    assert mask == [0, 0, 0, 0, 0, 0, 0, 1, 1]
+    ids0, mask0 = relabel_sample(t, 0, [7])
+    assert ids0 == [1, 2, 3, 7] and mask0 == [0, 0, 0, 1]
+    with pytest.raises(ValueError):
+        relabel_sample(t, 3, [7])
+
+
+def test_relabel_sample_under_a_history_window_starts_at_the_turns_own_sample():
+    t = Trajectory(task_id=0, group_id=0)
+    t.start([1, 2])
+    t.add_action([10], [-1.0])
+    t.start_segment([3, 4, 10, 5])  # turn 1's own prompt: instruction, the last turn, the new observation
+    t.add_action([11], [-1.0])
+    assert t.segment_starts == [0, 3]
+    ids, mask = relabel_sample(t, 1, [99])
+    assert ids == [3, 4, 10, 5, 99] and mask == [0, 0, 0, 0, 1]
+
+
+# --- through the config ------------------------------------------------------------------------------------
+def test_config_refuses_levers_that_cannot_apply(monkeypatch):
+    import tasks.demos
+    from core.config import ConfigError
+    from flows.config import build_config
+
+    with pytest.raises(ConfigError, match="expert_coef"):
+        build_config("babyai", overrides=["algo.expert_turns=2"])
+    with pytest.raises(ConfigError, match="dynamic_sampling_rounds"):
+        build_config("babyai", overrides=["rollout.dynamic_sampling_rounds=2", "algo.estimator=ppo"])
+    with pytest.raises(ConfigError, match="torch learner"):
+        build_config("babyai", overrides=["algo.expert_coef=0.1", "learner.engine=deepspeed"])
+    cfg = build_config("babyai", overrides=["algo.expert_coef=0.2", "algo.expert_decay=linear",
+                                            "rollout.dynamic_sampling_rounds=2", "algo.skip_no_signal=true",
+                                            "algo.truncated=mask", "rollout.task_filter=fits_turns"])
+    assert cfg.algo.expert_coef == 0.2 and cfg.rollout.dynamic_sampling_rounds == 2
+
+    def no_expert(env):
+        raise tasks.demos.DemoError(f"env {env!r} has no scripted expert")
+
+    monkeypatch.setattr(tasks.demos, "expert_for", no_expert)
+    with pytest.raises(ConfigError, match="no scripted expert.*algo.expert_coef=0"):
+        build_config("babyai", overrides=["algo.expert_coef=0.1"])
+    build_config("babyai")  # the term off: no expert needed
+
+
+# --- through the learner and the step tasks ------------------------------------------------------------------
+from tests.test_learning import _fixed_batch, tiny_model_dir  # noqa: E402,F401  (the tiny policy's fixture)
+
+
+def _expert_rows(tok, trajs):
+    """One relabel per trajectory: its second turn's state, answered with the digit '7' + EOS."""
+    from core.chat import ChatFormat
+
+    reply = ChatFormat.from_tokenizer(tok).encode("7") + [tok.eos_token_id]
+    return [(*relabel_sample(t, 1, reply), t.group_id) for t in trajs]
+
+
+def test_expert_term_gradient_is_coef_times_the_nll_gradient(tiny_model_dir):
+    """With every advantage 0 and no KL, an update's gradient is the expert term's alone: mu x the gradient of the
+    token-mean NLL of the relabelled replies, computed here straight from the model's logits (log-softmax, the
+    reply tokens' log-probs, their mean)."""
+    from runtime.backends.learner import LearnerConfig, TorchLearner
+    from tests.grads import record_grads
+
+    cfg = LearnerConfig(lr=1e-3, kl_coef=0.0, micro_batch_size=2, bf16_autocast=False, length_buckets=0)
+    learner = TorchLearner(tiny_model_dir, cfg)
+    trajs, advs = _fixed_batch(learner.tokenizer, n=4)
+    zero = [[0.0] * len(a) for a in advs]
+    rows = _expert_rows(learner.tokenizer, trajs)
+    mu = 0.3
+    grads = record_grads(learner)
+    stats = learner.update(trajs, zero, prepared=learner.prepare(trajs), expert=(rows, mu))
+    n_tok = sum(sum(m) for _, m, _ in rows)
+    assert stats["expert_tokens"] == n_tok == 8 and stats["expert_samples"] == 4
+
+    ref = TorchLearner(tiny_model_dir, cfg).model
+    total = 0.0
+    for ids, mask, _ in rows:
+        logits = ref(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+        logp = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        total = total - (logp * torch.tensor(mask[1:], dtype=torch.float32)).sum()
+    (mu * total / n_tok).backward()
+    assert stats["expert_nll"] == pytest.approx(float(total) / n_tok, rel=1e-4)
+    for name, p in ref.named_parameters():
+        if p.grad is not None and float(p.grad.abs().max()) > 0:
+            assert torch.allclose(grads[name], p.grad, atol=1e-6, rtol=1e-4), name
+
+
+def _step_session(tiny_model_dir, **algo):
+    """A training session of the tiny policy (no engine: a backend whose sync only counts) in the open Runtime."""
+    from core.config import RunConfig
+    from runtime.backends.learner import LearnerConfig, TorchLearner
+    from runtime.context import Runtime, Session
+
+    cfg = RunConfig.model_validate({"env": {"name": "toy"}, "algo": {"lr": 1e-2, "kl_coef": 0.0, **algo},
+                                    "rollout": {"backend": "transformers"}})
+
+    class Backend:
+        syncs = 0
+
+        def sync_weights(self):
+            Backend.syncs += 1
+
+    s = Session(cfg=cfg, learner=TorchLearner(tiny_model_dir, LearnerConfig.from_run(cfg)), backend=Backend())
+    s.tokenizer = s.learner.tokenizer
+    return Runtime.current().add_session(s), s, Backend
+
+
+def _snapshot(learner):
+    weights = {k: v.detach().clone() for k, v in learner.model.state_dict().items()}
+    opt = {k: {n: (x.clone() if torch.is_tensor(x) else x) for n, x in st.items()}
+           for k, st in learner.opt.state_dict()["state"].items()}
+    return weights, opt
+
+
+def _same(a, b) -> bool:
+    (wa, oa), (wb, ob) = a, b
+    if wa.keys() != wb.keys() or oa.keys() != ob.keys():
+        return False
+    if any(not torch.equal(wa[k], wb[k]) for k in wa):
+        return False
+    return all((torch.equal(x, ob[k][n]) if torch.is_tensor(x) else x == ob[k][n])
+               for k, st in oa.items() for n, x in st.items())
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_a_step_without_signal_changes_nothing_when_skipped(tiny_model_dir, skip):
+    """After a step with signal (Adam has momentum), a batch whose advantages are all 0: with algo.skip_no_signal
+    the weights and the optimizer state stay bit-identical and the engine gets no sync; without it Adam's momentum
+    moves the weights anyway (the drift the lever stops)."""
+    from runtime.context import Runtime
+    from tasks.steps import Advantages, Batch, policy_update
+
+    with Runtime():
+        key, s, backend = _step_session(tiny_model_dir, skip_no_signal=skip)
+        trajs, advs = _fixed_batch(s.tokenizer)
+        batch = Batch(trajs, {})
+        out = policy_update.fn(key, batch, Advantages(advs, None, s.learner.prepare(trajs), {}), 0)
+        assert out["skipped"] == 0.0 and backend.syncs == 1
+        before = _snapshot(s.learner)
+        zero = [[0.0] * len(a) for a in advs]
+        out = policy_update.fn(key, batch, Advantages(zero, None, s.learner.prepare(trajs), {}), 1)
+        after = _snapshot(s.learner)
+        if skip:
+            assert out["skipped"] == 1.0 and backend.syncs == 1
+            assert _same(before, after)
+        else:
+            assert out["skipped"] == 0.0 and backend.syncs == 2
+            assert any(not torch.equal(before[0][k], after[0][k]) for k in before[0])
+
+
+def test_an_expert_relabel_is_signal_for_a_skipping_step(tiny_model_dir, monkeypatch):
+    """A batch without advantage but with expert relabels is trained (the expert term), not skipped."""
+    import tasks.steps as T
+    from runtime.context import Runtime
+
+    with Runtime():
+        key, s, backend = _step_session(tiny_model_dir, skip_no_signal=True, expert_coef=0.5)
+        trajs, advs = _fixed_batch(s.tokenizer)
+        rows = _expert_rows(s.tokenizer, trajs)
+        monkeypatch.setattr(T, "expert_samples", lambda sess, tr: rows)
+        zero = [[0.0] * len(a) for a in advs]
+        before = _snapshot(s.learner)
+        out = T.policy_update.fn(key, T.Batch(trajs, {}), T.Advantages(zero, None, s.learner.prepare(trajs), {}), 0)
+        assert out["skipped"] == 0.0 and out["expert_samples"] == len(rows) and backend.syncs == 1
+        assert not _same(before, _snapshot(s.learner))
+
+
+def test_dynamic_sampling_keeps_the_groups_with_signal(monkeypatch):
+    """Round 1: groups 0 and 2 without variance, 1 and 3 with; round 2 (fresh tasks): group 0 with, 1 without, 2
+    with. The step trains on round 1's groups 1, 3 then round 2's 0, 2 (tasks_per_step 4), renumbered 0-3, and
+    logs what it rolled, kept and dropped."""
+    import tasks.steps as T
+    from core.config import RunConfig
+    from runtime.context import Runtime, Session
+
+    cfg = RunConfig.model_validate({"env": {"name": "toy"}, "rollout": {
+        "backend": "transformers", "tasks_per_step": 4, "samples_per_task": 2, "dynamic_sampling_rounds": 3}})
+    rewards = {0: [(0, 0), (0, 1), (1, 1), (1, 0)], 1: [(1, 0), (0, 0), (1, 0), (0, 1)]}
+    calls = []
+
+    def fake_rollout(s, urls, tasks, samples, limit, temp, max_new, label, seed=None, after_turn=None, expert=None):
+        k = len(calls)
+        calls.append((tasks, seed))
+        trajs = [_traj(task, g, float(r), "success" if r else "failure")
+                 for g, (task, pair) in enumerate(zip(tasks, rewards[k])) for r in pair]
+        return trajs, {"rollout_time_s": 1.0, "generated_tokens": 10.0}
+
+    monkeypatch.setattr(T, "_rollout", fake_rollout)
+    with Runtime() as rt:
+        key = rt.add_session(Session(cfg=cfg))
+        b = T.rollout_batch.fn(key, [], 5, 2)
+    assert len(calls) == 2  # four groups with signal after the second round: no third
+    assert calls[0] == (T.train_tasks_for_step(cfg, 5), step_seed(0, 5))
+    assert calls[1] == (T.train_tasks_for_step(cfg, 5, 1), round_seed(step_seed(0, 5), 1))
+    t0, t1 = calls[0][0], calls[1][0]
+    assert [t.task_id for t in b.trajectories] == [t0[1]] * 2 + [t0[3]] * 2 + [t1[0]] * 2 + [t1[2]] * 2
+    assert [t.group_id for t in b.trajectories] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert b.metrics["dyn/rounds"] == 2 and b.metrics["dyn/groups_rolled"] == 8
+    assert b.metrics["dyn/groups_kept"] == 4 and b.metrics["dyn/groups_dropped"] == 4
+    assert b.metrics["dyn/first_round_zero_var_frac"] == 0.5
+    assert b.metrics["rollout_time_s"] == 2.0 and b.metrics["episodes"] == 16  # what the policy did: both rounds
+
+
+def test_truncated_episodes_leave_the_loss_but_not_the_baseline(monkeypatch):
+    """GRPO over a group {success 1, turn limit, failure, turn limit} without std: advantages +0.75, -0.25, -0.25,
+    -0.25; with algo.truncated=mask the two truncated rows become 0 and the others keep theirs (the truncated
+    episodes still count in the group's mean)."""
+    import tasks.steps as T
+    from core.config import RunConfig
+    from runtime.context import Runtime, Session
+
+    trajs = [_traj(0, 0, 1.0, "success"), _traj(0, 0, 0.0, "turn_limit"), _traj(0, 0, 0.0, "failure"),
+             _traj(0, 0, 0.0, "turn_limit")]
+
+    class Learner:
+        def prepare(self, samples, old_for_reward=False):
+            return None
+
+    for mode, want in (("fail", [0.75, -0.25, -0.25, -0.25]), ("mask", [0.75, 0.0, -0.25, 0.0])):
+        cfg = RunConfig.model_validate({"env": {"name": "toy"}, "rollout": {"backend": "transformers"},
+                                        "algo": {"normalize_std": False, "truncated": mode}})
+        with Runtime() as rt:
+            key = rt.add_session(Session(cfg=cfg, learner=Learner()))
+            adv = T.compute_advantages.fn(key, T.Batch(trajs, {}))
+        for row, t, w in zip(adv.advantages, trajs, want):
+            assert row == pytest.approx([w * m for m in t.loss_mask])
+        assert adv.stats["episodes_with_signal"] == (4 if mode == "fail" else 2)
