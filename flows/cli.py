@@ -97,8 +97,8 @@ def eval_(
                                                    "paired test of CHECKPOINT - OTHER."),
     seed: int = typer.Option(0, "--seed", help="Base sampling seed (episodes' seeds derive from task and sample)."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the results (JSON schema in the "
-                                                                  "README) here."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the results here (JSON schema: "
+                                                                  "docs/reference/eval-json.md)."),
     png: Optional[Path] = typer.Option(None, "--png", help="Plot success vs turn budget with intervals here."),
     png_categories: bool = typer.Option(False, "--png-categories", help="Also a line per category in the plot."),
     png_buckets: bool = typer.Option(False, "--png-buckets", help="Also a line per required-turns bucket (1, 2-3, "

