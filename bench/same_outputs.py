@@ -6,7 +6,7 @@
 compares every run under the two output dirs: metrics.jsonl (timing keys dropped), every Parquet file (episodes,
 token ids, log-probs, advantages, texts; schema and values), the eval and summary JSONs (timings, run ids and paths
 dropped), and the sha256 of every checkpoint's weights. Prints one line per file and exits 1 if any differs.
-(What it proved for the rooms refactor: README, "How it is built".)"""
+(What it proved for the rooms refactor: docs/concepts/architecture.md, "Typed trajectories".)"""
 
 from __future__ import annotations
 

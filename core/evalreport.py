@@ -1,5 +1,5 @@
 """Evaluation report: per-episode outcomes in, the evaluation document out (pure; the schema is documented in
-``flows/evaluate.py`` and the README).
+``flows/evaluate.py`` and docs/reference/eval-json.md).
 
 An evaluation scores every task at every turn budget ``K`` times (greedy when K = 1). This module turns the
 outcomes into, per turn budget: the overall and per-category Avg@K (mean success over the samples), Pass@k for
