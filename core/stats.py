@@ -111,3 +111,27 @@ def paired_bootstrap(a: Sequence[float], b: Sequence[float], confidence: float =
     tail = min(int(np.sum(means <= 0)), int(np.sum(means >= 0)))
     p = min(1.0, 2 * (tail + 1) / (resamples + 1))
     return PairedResult(diff, (float(np.quantile(means, al)), float(np.quantile(means, 1 - al))), p)
+
+
+def seed_task_bootstrap(per_seed: Sequence[Sequence[float]], confidence: float = 0.95, resamples: int = 4000,
+                        seed: int = 0) -> tuple[float, float, float]:
+    """Mean of a seeds x tasks table (``per_seed[s][t]``: a per-task score or a paired difference of run ``s`` on
+    task ``t``; every seed scored on the same tasks) with a two-way percentile bootstrap interval: each replicate
+    draws the seeds with replacement and, independently, the tasks with replacement, and averages the crossed
+    cells. Seed-to-seed variation is in the interval (a per-task bootstrap pooled over seeds leaves it out).
+    Returns (mean, low, high); an empty table gives nans."""
+    _check_confidence(confidence)
+    x = np.asarray(per_seed, dtype=float)
+    if x.size == 0:
+        return math.nan, math.nan, math.nan
+    if x.ndim != 2:
+        raise ValueError("per_seed must be a table: one row of per-task values per seed, all of one length")
+    S, T = x.shape
+    rng = np.random.default_rng(seed)
+    means = np.empty(resamples)
+    for b in range(resamples):
+        rows = rng.integers(0, S, size=S)
+        cols = rng.integers(0, T, size=T)
+        means[b] = x[np.ix_(rows, cols)].mean()
+    a = (1 - confidence) / 2
+    return float(x.mean()), float(np.quantile(means, a)), float(np.quantile(means, 1 - a))

@@ -41,11 +41,11 @@ def run(name, rewards, masks, groups, masked=None, values=None, kl=None, turn_en
     return unpad(res.advantages, lengths), (unpad(res.returns, lengths) if res.returns is not None else None)
 
 
-def test_registry_has_all_five():
-    assert set(estimator_names()) == {"gigpo", "grpo", "ppo", "reinforce++", "rloo"}
+def test_registry_has_all_six():
+    assert set(estimator_names()) == {"filtered-bc", "gigpo", "grpo", "ppo", "reinforce++", "rloo"}
     assert get_estimator("ppo").needs_critic and get_estimator("reinforce++").kl_in_reward
     assert get_estimator("gigpo").needs_turns and get_estimator("gigpo").needs_groups
-    with pytest.raises(KeyError, match="available: gigpo, grpo, ppo"):
+    with pytest.raises(KeyError, match="available: filtered-bc, gigpo, grpo, ppo"):
         get_estimator("a2c")
 
 

@@ -342,3 +342,44 @@ def test_truncated_episodes_leave_the_loss_but_not_the_baseline(monkeypatch):
         for row, t, w in zip(adv.advantages, trajs, want):
             assert row == pytest.approx([w * m for m in t.loss_mask])
         assert adv.stats["episodes_with_signal"] == (4 if mode == "fail" else 2)
+
+
+def test_seed_task_bootstrap_widens_with_seed_spread():
+    """A table whose seeds disagree (one seed +1 on every task, the other 0) has mean 0.5 and an interval that
+    reaches both seeds' means (a replicate can draw one seed twice); a table whose seeds agree on every task
+    (half +1, half 0) has the same mean and a narrower, task-level interval."""
+    from core.stats import seed_task_bootstrap
+
+    spread = [[1.0] * 40, [0.0] * 40]
+    agree = [[1.0, 0.0] * 20, [1.0, 0.0] * 20]
+    m, lo, hi = seed_task_bootstrap(spread)
+    assert m == 0.5 and lo == 0.0 and hi == 1.0
+    m2, lo2, hi2 = seed_task_bootstrap(agree)
+    assert m2 == 0.5 and 0.2 < lo2 < 0.5 < hi2 < 0.8
+    assert math.isnan(seed_task_bootstrap([])[0])
+
+
+def test_the_kl_reference_of_every_phase_is_the_runs_starting_model(tmp_path, monkeypatch):
+    """Phase 2 starts from phase 1's final checkpoint, but its KL reference is the run's model.path (the warm start
+    when a run starts from one), not the previous phase: the anchor is where the run started."""
+    import flows.scalinginter as F
+    from flows.config import build_config
+    from tasks.resume import PhasePlan
+
+    warm, p1 = tmp_path / "warm", tmp_path / "phase-1-final"
+    for d in (warm, p1):
+        d.mkdir()
+    cfg = build_config("babyai", "multistep", [f"model.path={warm}", f"output_dir={tmp_path / 'out'}",
+                                               "run_name=anchor", "algo.kl_coef=0.05"])
+    seen = {}
+
+    def fake_open(c, model_dir, train, reference_dir=None):
+        seen.update(model_dir=model_dir, reference_dir=reference_dir)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(F.T, "open_session", fake_open)
+    monkeypatch.setattr(F, "resume_source", lambda c, plan, ref: (ref, ref, False))
+    monkeypatch.setattr(F, "local_model_dir", lambda c, ref: str(ref))
+    with pytest.raises(RuntimeError, match="stop here"):
+        F.open_phase(cfg, PhasePlan.of(cfg, 2), str(p1))
+    assert seen == {"model_dir": str(p1), "reference_dir": str(warm)}

@@ -1,0 +1,311 @@
+"""Does RL make a competent agent better? The warm start against RL recipes started from it, on multi-step BabyAI.
+
+    python bench/rl_vs_warmstart.py --warm runs44/warm --arms recipe --seeds 3 --output-dir runs44
+
+Every arm trains from the same behaviour-cloning warm start (``--warm``: ``scalinginter warmstart``'s folder) with
+the ``multistep`` preset's levels and its 3 -> 6 -> 10 turn curriculum (``--phase-steps`` steps per phase, 4 tasks
+x 4 samples per step unless an arm says otherwise), then its final checkpoint is scored greedily on ``--eval-n``
+held-out tasks at ``--turn-limit`` turns; the warm start is scored once on the same tasks. An arm is a list of
+``--set`` overrides on top of those settings (``ARMS``; the ablation adds one lever at a time). Runs are
+``scalinginter run`` subprocesses (logs under ``<output-dir>/logs``); re-running the command resumes: a finished run
+(its ``summary.json``) is reused, an unfinished one resumes from its checkpoint. Finished runs' checkpoints are
+deleted unless ``--keep-checkpoints``.
+
+The report (``--results``, default bench/results/rl-vs-warmstart/): per arm, held-out success pooled over seeds,
+the paired difference against the warm start with a 95 % interval from a bootstrap over seeds and tasks
+(``core.stats.seed_task_bootstrap``) and, beside it, the per-task bootstrap of the pooled outcomes; each seed's
+gain and exact McNemar p; success by required-turns bucket (1, 2-3, 4-6, 7+); and per-phase means of the step
+diagnostics (zero-advantage groups, groups refilled, skipped updates, expert relabels, entropy, repeat rate, train
+success). ``rl-vs-warmstart-babyai-multistep-<date>.json`` holds, per arm, ``recipe`` (its settings),
+``turn_limit`` and ``seeds``: per seed ``seed``, ``steps``, ``tokens``, ``wall_s``, and ``warm_start`` and
+``final`` as per-task outcomes ``{"task", "required_turns", "success"}`` on the same tasks; a ``.md`` table and a
+PNG beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from core.evalreport import BUCKETS  # noqa: E402
+from core.stats import bootstrap_ci, seed_task_bootstrap, wilson_interval  # noqa: E402
+from core.study import bucket_indices, paired_mcnemar  # noqa: E402
+
+LEVELS = "GoToLocal,PickupLoc,OpenTwoDoors,UnlockLocal,PutNextS4N1,UnlockPickup,KeyCorridorS3R1"
+# the earlier study's run shape: 3 -> 6 -> 10 turns, 4 tasks x 4 samples per step
+BASE = ["rollout.tasks_per_step=4"]
+
+# the levers, one at a time (each arm is the one before it plus one lever), then the baselines beside them
+STOP_DRIFT = ["algo.lr=2e-5", "algo.kl_coef=0.05", "algo.skip_no_signal=true"]
+EXPERT = ["algo.expert_coef=1.0", "algo.expert_decay=linear"]
+FIT = ["rollout.task_filter=fits_turns"]
+DYN = ["rollout.dynamic_sampling_rounds=1"]
+RECIPE = STOP_DRIFT + EXPERT + FIT + DYN
+ARMS: dict[str, list[str]] = {
+    "preset": [],  # the study's recipe: lr 3e-5, no KL (the runs that ended below the warm start)
+    "stop-drift": STOP_DRIFT,  # lr 2e-5, a k3 KL to the warm start, no update without signal
+    "+expert": STOP_DRIFT + EXPERT,  # the expert's reply at the first state each episode left its path
+    "+fit": STOP_DRIFT + EXPERT + FIT,  # tasks whose expert needs at most the phase's turn limit
+    "recipe": RECIPE,  # + dynamic sampling: one extra round refills groups without reward variance
+    "+mask": RECIPE + ["algo.truncated=mask"],
+    "+g8": RECIPE + ["rollout.tasks_per_step=2", "rollout.samples_per_task=8"],
+    "+nostd": RECIPE + ["algo.normalize_std=false"],
+    "filtered-bc": ["algo.estimator=filtered-bc"] + STOP_DRIFT + EXPERT + FIT,
+}
+DIAG = ("diag/zero_adv_group_frac", "dyn/first_round_zero_var_frac", "dyn/groups_dropped", "train/skipped",
+        "train/expert_samples", "train/expert_nll", "train/entropy", "train/kl", "diag/repeated_action_rate",
+        "diag/invalid_action_rate", "diag/turns_used_frac", "success_rate", "step_time_s")
+
+
+def _cli() -> list[str]:
+    return [sys.executable, "-m", "flows.cli"]  # this checkout's code (run from ROOT), whatever is installed
+
+
+def _run(cmd: list[str], log: Path) -> float:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    with open(log, "a") as fh:
+        fh.write(f"\n$ {' '.join(cmd)}\n")
+        fh.flush()
+        rc = subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if rc != 0:
+        raise SystemExit(f"{' '.join(cmd[:4])} ... failed (exit {rc}); see {log}")
+    return time.time() - t0
+
+
+def outcomes(eval_doc: dict[str, Any], turn_limit: int) -> list[dict[str, Any]]:
+    """Per-task greedy outcomes ``{"task", "required_turns", "success"}`` of an evaluation document."""
+    rows = eval_doc["models"]["model"]["budgets"][str(turn_limit)]["per_task"]
+    return [{"task": r["task_id"], "required_turns": r.get("required_turns"),
+             "success": int(bool(r["successes"][0]))} for r in rows]
+
+
+def warm_eval(args, out: Path) -> list[dict[str, Any]]:
+    path = out / "warm_eval.json"
+    if not path.exists():
+        print(f"scoring the warm start on {args.eval_n} held-out tasks at {args.turn_limit} turns", flush=True)
+        _run(_cli() + ["eval", str(args.warm), "babyai", "--n", str(args.eval_n), "--turn-limit", str(args.turn_limit),
+                       "--max-new-tokens", "24", "--seed", "0", "--no-mlflow", "--json", str(path),
+                       "--set", f'env.options={{"levels": "{LEVELS}"}}', "--set", f"output_dir={out}"],
+             out / "logs" / "warm_eval.log")
+    return outcomes(json.loads(path.read_text()), args.turn_limit)
+
+
+def run_arm(args, out: Path, arm: str, seed: int) -> dict[str, Any]:
+    name = f"{arm}-s{seed}"
+    rd = out / name
+    summary = rd / "summary.json"
+    phases = json.dumps([{"turn_limit": t, "steps": args.phase_steps} for t in (3, 6, 10)])
+    sets = BASE + [f"curriculum.phases={phases}", f"model.path={args.warm}", f"output_dir={out}", f"seed={seed}",
+                   f"eval.n={args.eval_n}", f"eval.turn_limit={args.turn_limit}", "eval.before=false",
+                   "tracking.log_trajectories=0"] + ARMS[arm] + list(args.set or [])
+    wall = None
+    if not summary.exists():
+        print(f"training {name} ({', '.join(ARMS[arm]) or 'the preset as it is'})", flush=True)
+        cmd = _cli() + ["run", "babyai", "--preset", "multistep", "--run-name", name]
+        for s in sets:
+            cmd += ["--set", s]
+        wall = _run(cmd, out / "logs" / f"{name}.log")
+    if not args.keep_checkpoints:
+        shutil.rmtree(out / "checkpoints" / name, ignore_errors=True)
+    doc = json.loads(summary.read_text())
+    metrics = [json.loads(x) for x in (rd / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return {"seed": seed, "steps": len(metrics),
+            "tokens": int(sum(m.get("generated_tokens", 0) for m in metrics)),
+            "wall_s": round(doc.get("wall_time_s", wall or 0.0), 1),
+            "final": outcomes(json.loads((rd / "eval_after.json").read_text()), args.turn_limit),
+            "diagnostics": phase_diagnostics(metrics)}
+
+
+def phase_diagnostics(metrics: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per phase, the mean of each step diagnostic over the phase's steps (keys a run did not log are left out)."""
+    out: dict[str, dict[str, float]] = {}
+    for ph in sorted({int(m["phase"]) for m in metrics}):
+        rows = [m for m in metrics if int(m["phase"]) == ph]
+        out[str(ph)] = {k: statistics.fmean(float(m[k]) for m in rows) for k in DIAG if all(k in m for m in rows)}
+    return out
+
+
+def arm_report(warm: list[dict[str, Any]], seeds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Pooled success, the paired gain over the warm start (seed x task bootstrap and per-task bootstrap), per seed
+    gains and McNemar p, and success by required-turns bucket."""
+    w = [o["success"] for o in warm]
+    labels = [o["required_turns"] for o in warm]
+    finals = []
+    for s in seeds:
+        if [o["task"] for o in s["final"]] != [o["task"] for o in warm]:
+            raise SystemExit(f"seed {s['seed']}: scored on other tasks than the warm start")
+        finals.append([o["success"] for o in s["final"]])
+    diffs = [[f - b for f, b in zip(row, w)] for row in finals]
+    mean, lo, hi = seed_task_bootstrap(diffs)
+    pooled_task = [statistics.fmean(row[t] for row in diffs) for t in range(len(w))]
+    tlo, thi = bootstrap_ci(pooled_task)
+    wins = sum(map(sum, finals))
+    n = len(w) * len(finals)
+    rep: dict[str, Any] = {
+        "final": wins / n, "final_wilson": list(wilson_interval(int(wins), n)),
+        "warm_start": statistics.fmean(w), "gain": mean, "gain_ci_seed_task": [lo, hi],
+        "gain_ci_task_only": [tlo, thi],
+        "per_seed_gain": [statistics.fmean(d) for d in diffs],
+        "per_seed_mcnemar_p": [paired_mcnemar(f, w) for f in finals], "buckets": {}}
+    for k, idx in bucket_indices(labels).items():
+        rep["buckets"][k] = {"tasks": len(idx), "warm_start": statistics.fmean(w[i] for i in idx),
+                             "final": statistics.fmean(row[i] for row in finals for i in idx),
+                             "per_seed": [statistics.fmean(row[i] for i in idx) for row in finals]}
+    return rep
+
+
+def table(doc: dict[str, Any]) -> str:
+    lines = [f"# RL from the warm start, multi-step BabyAI ({doc['turn_limit']} turns, {doc['eval_n']} held-out tasks, "
+             f"greedy)", "", f"Machine: {doc['machine']}. Warm start: {doc['warm']}. Each arm: "
+             f"{doc['phase_steps']} steps per phase, 3 -> 6 -> 10 turns.", "",
+             "| arm | seeds | final (pooled) | gain over warm start [95 % CI, seeds x tasks] | [per-task CI] | "
+             "per-seed gain | McNemar p | needs 1 / 2-3 / 4-6 / 7+ |", "|---|---|---|---|---|---|---|---|"]
+    w = next(iter(doc["arms"].values()))["report"]["warm_start"] if doc["arms"] else None
+    if w is not None:
+        wb = next(iter(doc["arms"].values()))["report"]["buckets"]
+        lines.append(f"| warm start | - | {w:.3f} | - | - | - | - | "
+                     + " / ".join(f"{wb[k]['warm_start']:.2f}" for k in BUCKETS if k in wb) + " |")
+    for arm, a in doc["arms"].items():
+        r = a["report"]
+        lines.append(
+            f"| {arm} | {len(a['seeds'])} | {r['final']:.3f} | {r['gain']:+.3f} [{r['gain_ci_seed_task'][0]:+.3f}, "
+            f"{r['gain_ci_seed_task'][1]:+.3f}] | [{r['gain_ci_task_only'][0]:+.3f}, {r['gain_ci_task_only'][1]:+.3f}] | "
+            + ", ".join(f"{g:+.3f}" for g in r["per_seed_gain"]) + " | "
+            + ", ".join(f"{p:.2g}" for p in r["per_seed_mcnemar_p"]) + " | "
+            + " / ".join(f"{r['buckets'][k]['final']:.2f}" for k in BUCKETS if k in r["buckets"]) + " |")
+    lines += ["", "Settings per arm (on top of the `multistep` preset and 4 tasks x 4 samples per step):", ""]
+    for arm, a in doc["arms"].items():
+        lines.append(f"- `{arm}`: {' '.join(a['recipe']) or '(the preset: lr 3e-5, no KL)'}")
+    lines += ["", "Diagnostics, mean per phase (seed 0 of each arm):", "",
+              "| arm | phase | 0-adv groups | first-round zero-var | groups dropped | skipped | expert relabels | "
+              "entropy | repeat | train success | step s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for arm, a in doc["arms"].items():
+        for ph, d in a["seeds"][0]["diagnostics"].items():
+            def f(k, fmt=".2f"):
+                return format(d[k], fmt) if k in d else "-"
+            lines.append(f"| {arm} | {ph} | {f('diag/zero_adv_group_frac')} | {f('dyn/first_round_zero_var_frac')} | "
+                         f"{f('dyn/groups_dropped')} | {f('train/skipped')} | {f('train/expert_samples', '.1f')} | "
+                         f"{f('train/entropy', '.3f')} | {f('diag/repeated_action_rate')} | {f('success_rate')} | "
+                         f"{f('step_time_s', '.0f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = list(doc["arms"])
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    ax = axes[0]
+    for i, arm in enumerate(arms):
+        r = doc["arms"][arm]["report"]
+        lo, hi = r["gain_ci_seed_task"]
+        ax.errorbar([i], [r["gain"]], yerr=[[r["gain"] - lo], [hi - r["gain"]]], fmt="o", capsize=4)
+        ax.scatter([i] * len(r["per_seed_gain"]), r["per_seed_gain"], marker="x", color="grey", zorder=3)
+    ax.axhline(0, color="k", lw=0.8)
+    ax.axhline(0.08, color="g", lw=0.8, ls="--", label="+0.08 goal")
+    ax.set_xticks(range(len(arms)), arms, rotation=30, ha="right")
+    ax.set_ylabel("held-out success - warm start")
+    ax.set_title("gain over the warm start (95 % CI over seeds x tasks; x: seeds)")
+    ax.legend()
+    ax = axes[1]
+    keys = [k for k in BUCKETS if arms and k in doc["arms"][arms[0]]["report"]["buckets"]]
+    width = 0.8 / (len(arms) + 1)
+    if arms:
+        wb = doc["arms"][arms[0]]["report"]["buckets"]
+        ax.bar([j for j in range(len(keys))], [wb[k]["warm_start"] for k in keys], width, label="warm start",
+               color="lightgrey")
+    for i, arm in enumerate(arms):
+        b = doc["arms"][arm]["report"]["buckets"]
+        ax.bar([j + (i + 1) * width for j in range(len(keys))], [b[k]["final"] for k in keys], width, label=arm)
+    ax.set_xticks([j + width * len(arms) / 2 for j in range(len(keys))], [f"needs {k}" for k in keys])
+    ax.set_ylabel("held-out success")
+    ax.set_title("by the turns the expert needs")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def machine() -> str:
+    info = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        k, _, v = line.partition(":")
+        info.setdefault(k.strip(), v.strip())
+    flags = info.get("flags", "").split()
+    feats = [f for f in ("amx_bf16", "avx512_bf16", "avx2") if f in flags][:1]
+    return (f"{os.cpu_count()} cores, {info.get('model name', '?')} (cpu family {info.get('cpu family', '?')}, model "
+            f"{info.get('model', '?')}), {', '.join(feats) or 'no bf16'}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--warm", type=Path, required=True, help="the warm start's folder (scalinginter warmstart --out)")
+    ap.add_argument("--arms", default="recipe", help=f"comma-separated, from: {', '.join(ARMS)}")
+    ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--first-seed", type=int, default=0)
+    ap.add_argument("--phase-steps", type=int, default=4, help="steps per phase (3 phases: 3, 6, 10 turns)")
+    ap.add_argument("--eval-n", type=int, default=140)
+    ap.add_argument("--turn-limit", type=int, default=10)
+    ap.add_argument("--output-dir", type=Path, default=Path("runs-rl-vs-warm"))
+    ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "rl-vs-warmstart")
+    ap.add_argument("--set", action="append", help="a config override for every arm (after the arm's own)")
+    ap.add_argument("--keep-checkpoints", action="store_true")
+    ap.add_argument("--report-only", action="store_true", help="report the runs that finished; train nothing")
+    args = ap.parse_args(argv)
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    bad = [a for a in arms if a not in ARMS]
+    if bad:
+        ap.error(f"unknown arm(s) {', '.join(bad)}; choose from {', '.join(ARMS)}")
+    if not (args.warm / "config.json").exists():
+        ap.error(f"--warm {args.warm} is not a model folder (no config.json): make it with scalinginter warmstart")
+    args.warm = args.warm.resolve()
+    out = args.output_dir.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    warm = warm_eval(args, out)
+    print(f"warm start: {sum(o['success'] for o in warm)}/{len(warm)} at {args.turn_limit} turns", flush=True)
+    doc: dict[str, Any] = {"env": "babyai", "preset": "multistep", "turn_limit": args.turn_limit,
+                           "eval_n": args.eval_n, "phase_steps": args.phase_steps, "warm": str(args.warm),
+                           "machine": machine(), "warm_start": warm, "arms": {}}
+    for arm in arms:
+        seeds = []
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
+            if args.report_only and not (out / f"{arm}-s{seed}" / "summary.json").exists():
+                continue
+            s = run_arm(args, out, arm, seed)
+            s["warm_start"] = warm
+            seeds.append(s)
+            print(f"{arm} seed {seed}: {sum(o['success'] for o in s['final'])}/{len(s['final'])} "
+                  f"({s['wall_s']:.0f} s)", flush=True)
+        if seeds:
+            doc["arms"][arm] = {"recipe": ARMS[arm] + list(args.set or []), "turn_limit": args.turn_limit,
+                                "seeds": seeds, "report": arm_report(warm, seeds)}
+    if "recipe" in doc["arms"]:  # the chosen recipe's runs, at the top level as well
+        doc.update({k: doc["arms"]["recipe"][k] for k in ("recipe", "turn_limit", "seeds")})
+    args.results.mkdir(parents=True, exist_ok=True)
+    stem = args.results / f"rl-vs-warmstart-babyai-multistep-{time.strftime('%Y%m%d')}"
+    stem.with_suffix(".json").write_text(json.dumps(doc, indent=1))
+    stem.with_suffix(".md").write_text(table(doc))
+    if doc["arms"]:
+        plot(doc, stem.with_suffix(".png"))
+    print(table(doc))
+    print(f"wrote {stem}.json, .md, .png")
+
+
+if __name__ == "__main__":
+    main()
