@@ -59,6 +59,7 @@ ARMS: dict[str, list[str]] = {
     "+fit": STOP_DRIFT + EXPERT + FIT,  # tasks whose expert needs at most the phase's turn limit
     "recipe": RECIPE,  # + dynamic sampling: one extra round refills groups without reward variance
     "+mask": RECIPE + ["algo.truncated=mask"],
+    "+shape": RECIPE + ["algo.shaping_coef=0.1"],  # progress reward from the expert's remaining turns
     "+g8": RECIPE + ["rollout.tasks_per_step=2", "rollout.samples_per_task=8"],
     "+nostd": RECIPE + ["algo.normalize_std=false"],
     "filtered-bc": ["algo.estimator=filtered-bc"] + STOP_DRIFT + EXPERT + FIT,

@@ -239,6 +239,12 @@ class AlgoConfig(_Strict):
                                "policy visited (DAgger-style relabels, see expert_turns), added to the policy loss as "
                                "expert_coef x the token-mean NLL of the relabelled replies. Needs an env with a "
                                "scripted expert (envs/<env>/contract.py: expert_action). 0: off.")
+    shaping_coef: float = Field(
+        0.0, ge=0, description="Potential-based progress reward: each turn's reward gets shaping_coef x (the turns the "
+                               "env's expert needed before the turn - the turns it needs after it), so an episode "
+                               "cut by the turn limit is credited with the progress it made, and the best policy is "
+                               "unchanged (the shaping telescopes). Needs an env that reports the expert's remaining "
+                               "turns (BabyAI: its label_remaining option, set by the run). 0: off.")
     expert_decay: Literal["none", "linear"] = Field(
         "none", description="How expert_coef changes over the run: none (constant) or linear (expert_coef x (1 - "
                             "global step / total steps)).")

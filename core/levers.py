@@ -10,6 +10,9 @@
   visited (DAgger relabelling; CHORD/LUFFY's decaying SFT term), decaying over the run.
 - ``relabel_turns``: which turns of an episode get the expert's reply as a target: the first ``k`` turns whose
   reply differs from the expert's (where the policy left the expert's path), earliest first.
+- ``potential_shaping``: a progress reward from the expert's remaining turns, F_t = Phi(s_{t+1}) - Phi(s_t) with
+  Phi = -(turns the expert needs from s): potential-based (Ng et al. 1999), so the best policy is unchanged; an
+  episode's shaping sums to Phi(s_T) - Phi(s_0) (it telescopes), i.e. the progress it made.
 - ``fits_turns``: task selection by horizon: a task whose expert needs more turns than the phase allows can only
   fail, so its group is all-zero advantage.
 """
@@ -102,3 +105,18 @@ def relabel_turns(policy_replies: Sequence[str], expert_replies: Sequence[str | 
 def fits_turns(required_turns: int | None, turn_limit: int) -> bool:
     """Whether a task fits a phase: its expert needs at most ``turn_limit`` turns (an unlabelled task fits)."""
     return required_turns is None or required_turns <= turn_limit
+
+
+def potential_shaping(remaining: Sequence[int | None], turns: int, coef: float) -> list[float]:
+    """Per-turn shaping rewards of an episode of ``turns`` turns: ``coef * (Phi(s_{t+1}) - Phi(s_t))`` with
+    ``Phi(s) = -remaining[s]`` (``remaining[0]``: after reset, ``remaining[t]``: after turn ``t``). A turn whose
+    state before or after has no count (None, or missing) gets 0. Undiscounted (the estimators' outcome returns
+    are), so over an episode whose counts are all known the sum is ``coef * (remaining[0] - remaining[turns])``."""
+    if turns < 0:
+        raise ValueError(f"turns must be >= 0, got {turns}")
+    out = []
+    for t in range(turns):
+        a = remaining[t] if t < len(remaining) else None
+        b = remaining[t + 1] if t + 1 < len(remaining) else None
+        out.append(0.0 if a is None or b is None else float(coef) * (float(a) - float(b)))
+    return out

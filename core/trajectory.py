@@ -47,6 +47,9 @@ class Trajectory:
     # the env expert's reply at the state each turn acted on (entry k: before turn k; one more entry may follow the
     # last turn); None where the rollout asked no expert (algo.expert_coef = 0), an entry None where it had none
     expert_replies: list[str | None] | None = None
+    # the turns the env's expert needs from each state (entry 0: after reset, entry k: after turn k), where the env
+    # reports it (BabyAI's label_remaining); progress-reward shaping's potential
+    expert_remaining: list[int | None] | None = None
     category: str | None = None  # the env's task category (per-category eval scores)
     required_turns: int | None = None  # the fewest turns the env's expert needs (results by horizon)
     episode_metrics: dict[str, float] | None = None  # numbers the env reports besides the reward (SciWorld's score)

@@ -25,9 +25,16 @@ def build_config(env: str, preset: str | None = None, overrides: list[str] | Non
     return cfg
 
 
+SHAPING_ENVS = ("babyai",)  # envs whose info carries expert_remaining_turns (an env option the run turns on)
+
+
 def check_env_levers(cfg: RunConfig) -> None:
     """Levers that need something of the env, refused when the config is read: the expert term needs the env's
-    scripted expert (envs/<env>/contract.py: expert_action)."""
+    scripted expert (envs/<env>/contract.py: expert_action); progress shaping needs an env that reports its expert's
+    remaining turns (BabyAI)."""
+    if cfg.algo.shaping_coef > 0 and cfg.env.name not in SHAPING_ENVS:
+        raise ConfigError(f"algo.shaping_coef needs an env that reports its expert's remaining turns "
+                          f"({', '.join(SHAPING_ENVS)}), not {cfg.env.name!r}: set algo.shaping_coef=0")
     if cfg.algo.expert_coef > 0:
         import tasks.demos
 

@@ -233,6 +233,8 @@ class _Episodes:
         tr.start(prompt)
         if self.expert is not None:
             tr.expert_replies = [self.ask_expert(r)]
+        if "expert_remaining_turns" in r.info:  # the env reports its expert's remaining turns (shaping's potential)
+            tr.expert_remaining = [_turns_or_none(r.info["expert_remaining_turns"])]
         if len(prompt) + 1 >= self.req.token_budget:
             tr.finish("token_budget")
             return False
@@ -268,6 +270,8 @@ class _Episodes:
         self.stats.env_steps += 1
         if self.expert is not None and not isinstance(r, Exception) and self.trajs[i].expert_replies is not None:
             self.trajs[i].expert_replies.append(None if r.terminated else self.ask_expert(r))
+        if not isinstance(r, Exception) and self.trajs[i].expert_remaining is not None:
+            self.trajs[i].expert_remaining.append(_turns_or_none(r.info.get("expert_remaining_turns")))
         k = self.req.history_turns
         if k is None:
             return _apply_reply(self.trajs[i], r, self.limits[i], self.req.token_budget,
@@ -300,6 +304,11 @@ class _Episodes:
         self.stats.wall_time_s = time.time() - self.t_start
         self.stats.gen_idle_s = max(0.0, idle_s)
         return self.trajs, self.stats
+
+
+def _turns_or_none(v) -> int | None:
+    """A reported turn count as an int (None: unknown or not a count)."""
+    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 else None
 
 
 def _apply_reply(tr: Trajectory, r: EnvReply | Exception, limit: int, token_budget: int,

@@ -89,12 +89,22 @@ def spawn_env_servers(key: str) -> list[str]:
     s.servers.clear()
     urls = []
     for _ in range(s.cfg.env.num_servers):
-        srv = spawn_env_server(s.cfg.env.name, s.cfg.env.options, runtime=s.cfg.env.runtime, image=s.cfg.env.image)
+        srv = spawn_env_server(s.cfg.env.name, env_server_options(s.cfg), runtime=s.cfg.env.runtime,
+                               image=s.cfg.env.image)
         s.servers.append(srv)
         urls.append(srv.url)
     kinds = sorted({srv.kind for srv in s.servers})
     print(f"env servers: {len(urls)} x {s.cfg.env.name} ({', '.join(kinds)}) at {', '.join(urls)}")
     return urls
+
+
+def env_server_options(cfg: RunConfig) -> dict[str, Any]:
+    """The spawned env servers' options: env.options, plus what a lever needs of the env (progress shaping: the
+    expert's remaining turns after every step)."""
+    opts = dict(cfg.env.options)
+    if cfg.algo.shaping_coef > 0:
+        opts["label_remaining"] = True
+    return opts
 
 
 def ensure_servers_alive(key: str) -> int:
@@ -402,8 +412,9 @@ def compute_advantages(key: str, batch: Batch) -> Advantages:
         return join_rows(s.learner.per_token(samples, prepared, which), where, lengths)
 
     params = EstimatorParams.from_algo(a)
+    scored = shaped(trajs, a.shaping_coef) if a.shaping_coef else trajs
     advantages, returns, stats = trajectory_advantages(
-        a.estimator, params, trajs,
+        a.estimator, params, scored,
         values=per_token("values") if spec.needs_critic else None,
         kl=per_token("kl") if spec.kl_in_reward else None,
         final_values=_last_sample_values(s.learner.final_values(samples, prepared), where, len(trajs))
@@ -416,6 +427,28 @@ def compute_advantages(key: str, batch: Batch) -> Advantages:
                                               for t in trajs))
         stats["episodes_with_signal"] = float(sum(1 for row in advantages if any(x != 0 for x in row)))
     return Advantages(advantages, returns, prepared, stats)
+
+
+def shaped(trajs: list[Trajectory], coef: float) -> list[Trajectory]:
+    """The trajectories with the progress reward (``core.levers.potential_shaping``) added to their turn rewards, as
+    copies: the episodes' own rewards, success and records stay as the env gave them."""
+    import dataclasses
+
+    from core.levers import potential_shaping
+
+    live = [t for t in trajs if not t.masked and t.turns]
+    if live and all(t.expert_remaining is None for t in live):
+        raise RuntimeError("algo.shaping_coef is on but the env reports no expert_remaining_turns: run a BabyAI server "
+                           "with the option label_remaining=true (the run sets it on servers it spawns), or set "
+                           "algo.shaping_coef=0")
+    out = []
+    for t in trajs:
+        if t.masked or not t.expert_remaining:
+            out.append(t)
+            continue
+        f = potential_shaping(t.expert_remaining, t.turns, coef)
+        out.append(dataclasses.replace(t, turn_rewards=[r + x for r, x in zip(t.turn_rewards, f)]))
+    return out
 
 
 def expert_samples(s: Session, trajs: list[Trajectory]) -> list[tuple[list[int], list[int], int]]:

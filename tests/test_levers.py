@@ -157,6 +157,8 @@ def test_config_refuses_levers_that_cannot_apply(monkeypatch):
     with pytest.raises(ConfigError, match="no scripted expert.*algo.expert_coef=0"):
         build_config("babyai", overrides=["algo.expert_coef=0.1"])
     build_config("babyai")  # the term off: no expert needed
+    with pytest.raises(ConfigError, match="remaining turns.*textcraft"):
+        build_config("textcraft", overrides=["algo.shaping_coef=0.1"])
 
 
 # --- through the learner and the step tasks ------------------------------------------------------------------
@@ -383,3 +385,41 @@ def test_the_kl_reference_of_every_phase_is_the_runs_starting_model(tmp_path, mo
     with pytest.raises(RuntimeError, match="stop here"):
         F.open_phase(cfg, PhasePlan.of(cfg, 2), str(p1))
     assert seen == {"model_dir": str(p1), "reference_dir": str(warm)}
+
+
+def test_potential_shaping_telescopes_to_the_progress_made():
+    """Phi = -remaining turns: remaining 5, 4, 4, 6, 0 over four turns gives 1, 0, -2, 6 (a turn that undoes
+    progress is charged for it), and the sum is remaining[0] - remaining[T] = 5 whatever the path."""
+    from core.levers import potential_shaping
+
+    assert potential_shaping([5, 4, 4, 6, 0], 4, 1.0) == [1.0, 0.0, -2.0, 6.0]
+    assert sum(potential_shaping([5, 4, 4, 6, 0], 4, 1.0)) == 5 - 0
+    assert potential_shaping([5, 4, 4, 6, 0], 4, 0.1) == pytest.approx([0.1, 0.0, -0.2, 0.6])
+    for path in ([7, 6, 5, 8, 9, 3], [7, 7, 7, 7, 7, 3], [7, 2, 9, 1, 4, 3]):
+        assert sum(potential_shaping(path, 5, 0.5)) == pytest.approx(0.5 * (7 - 3))
+    assert potential_shaping([5, None, 3], 2, 1.0) == [0.0, 0.0]  # unknown counts give no shaping
+    assert potential_shaping([5, 4], 3, 1.0) == [1.0, 0.0, 0.0]  # missing counts too
+
+
+def test_babyai_reports_the_experts_remaining_turns_and_the_run_shapes_with_them():
+    """The env's remaining-turns label counts down along the expert's own path to 0 at success; a shaped
+    trajectory's turn rewards gain Phi(s') - Phi(s) and its own rewards stay as the env gave them."""
+    from envs.babyai.env import BabyAIEnv
+    from tasks.steps import shaped
+
+    env = BabyAIEnv("GoToLocal,PutNextS4N1", label_remaining=True)
+    _, info = env.reset(1)
+    rem = [info["expert_remaining_turns"]]
+    assert rem[0] == info["required_turns"] >= 2
+    while True:
+        r = env.step(env.expert_next_action())
+        rem.append(r.info["expert_remaining_turns"])
+        if r.done:
+            break
+    assert r.info["success"] and rem == list(range(rem[0], -1, -1))
+    t = _traj(0, 0, 1.0, "success", turns=2)
+    t.expert_remaining = [3, 1, 0]
+    s = shaped([t], 0.1)[0]
+    assert s.turn_rewards == pytest.approx([0.2, 1.1]) and t.turn_rewards == [0.0, 1.0]
+    with pytest.raises(RuntimeError, match="label_remaining"):
+        shaped([_traj(0, 0, 1.0, "success")], 0.1)

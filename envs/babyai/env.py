@@ -17,7 +17,10 @@ The expert (``envs.babyai.expert``: minigrid's ``BabyAIBot``, its subgoals phras
 one fits, else its primitive) labels every task at reset with ``info["required_turns"]``, the turns it takes
 to solve the task with these actions (option ``label_turns``; cached per (level, seed)), and names its next
 action for the current state in ``info["expert_action"]`` after every reset and step (option
-``expert_hints``; None once it gave up or the episode is over). Neither changes observations or rewards.
+``expert_hints``; None once it gave up or the episode is over). With option ``label_remaining`` it also reports
+``info["expert_remaining_turns"]`` after every reset and step: the turns the expert, replanned from the current
+state, needs from there (0 once the mission is accomplished, None when it cannot finish or the episode ended
+otherwise): the potential of progress-reward shaping. None of these change observations or rewards.
 """
 
 from __future__ import annotations
@@ -159,13 +162,14 @@ class BabyAIEnv:
     name = "babyai"
 
     def __init__(self, levels: list[str] | str | None = None, max_steps: int | None = None,
-                 label_turns: bool = True, expert_hints: bool = True):
+                 label_turns: bool = True, expert_hints: bool = True, label_remaining: bool = False):
         self.levels = parse_levels(levels)
         if max_steps is not None and (isinstance(max_steps, bool) or int(max_steps) < 1):
             raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
         self.max_steps = int(max_steps) if max_steps is not None else None
         self.label_turns = _flag(label_turns, "label_turns")  # info["required_turns"] at reset
         self.expert_hints = _flag(expert_hints, "expert_hints")  # info["expert_action"] after reset and step
+        self.label_remaining = _flag(label_remaining, "label_remaining")  # info["expert_remaining_turns"]
         self._driver: Optional[ExpertDriver] = None
         self._expert_next: Optional[str] = None
         self._labels: OrderedDict[tuple[str, int], Optional[int]] = OrderedDict()
@@ -207,7 +211,32 @@ class BabyAIEnv:
             turns = self.required_turns(level, seed)
             if turns is not None:
                 self._meta["required_turns"] = turns
-        return self._obs, self._info(valid=True, action=None, turn_steps=0)
+        info = self._info(valid=True, action=None, turn_steps=0)
+        if self.label_remaining:
+            info["expert_remaining_turns"] = (self._meta["required_turns"] if "required_turns" in self._meta
+                                              else self.remaining_turns())
+        return self._obs, info
+
+    def remaining_turns(self) -> Optional[int]:
+        """Turns the expert needs from the current state (0: the mission is accomplished; None: it cannot finish,
+        or the episode ended without success), by replanning on a copy of this env."""
+        if self._over:
+            return 0 if self._success else None
+        import copy
+
+        held = self._sim, self._labels, self._envs  # the copy needs only the current level's env
+        self._sim, self._labels, self._envs = None, OrderedDict(), {}
+        try:
+            twin = copy.deepcopy(self)
+        finally:
+            self._sim, self._labels, self._envs = held
+        twin.label_turns = twin.label_remaining = False
+        if twin._driver is None:
+            twin._driver = ExpertDriver(twin)
+            twin._expert_next = twin._driver.next_action()
+        twin.expert_hints = True
+        turns, _ = solve(twin)
+        return turns
 
     def required_turns(self, level: str, seed: int) -> Optional[int]:
         """Turns the expert takes to solve (level, seed) with this env's actions (None: it did not), by playing
@@ -296,8 +325,10 @@ class BabyAIEnv:
         self._expert_next = (self._driver.next_action()
                              if self._driver is not None and not self._over else None)
         self._obs = self._render(feedback)
-        return StepResult(self._obs, reward, self._terminated, self._truncated,
-                          self._info(valid=True, action=phrase, turn_steps=taken))
+        info = self._info(valid=True, action=phrase, turn_steps=taken)
+        if self.label_remaining:
+            info["expert_remaining_turns"] = self.remaining_turns()
+        return StepResult(self._obs, reward, self._terminated, self._truncated, info)
 
     def observation(self) -> str:
         return self._obs
