@@ -171,6 +171,16 @@ def eval_(
         typer.echo(f"MLflow run {rid}")
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             add_help_option=False)
+def study(ctx: typer.Context):
+    """The learning study: ScalingInter vs fixed horizons (arms x seeds from one starting model), scored on the
+    same held-out tasks; resumable; --merge pools reports; `scalinginter study --help` explains every option and arm."""
+    from flows.study import main as study_main
+
+    raise typer.Exit(study_main(list(ctx.args)))
+
+
 @app.command()
 def warmstart(
     env: str = typer.Argument(..., help="Environment name (one with a scripted expert: envs/<env>/contract.py)."),

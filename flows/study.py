@@ -1,0 +1,786 @@
+"""ScalingInter vs fixed horizons, as one command (``bench/learning_study.py`` runs the same).
+
+    scalinginter study --env babyai --arms scalinginter,fixed-short,fixed-long --seeds 2
+
+Every arm trains from the same base model for the same steps and episodes per step (the preset's), and
+differs only in the turn limit of its phases (``core.study.arm_phases``): growing (ScalingInter), fixed at
+the first phase's limit, fixed at the last phase's. A fourth arm, ``scalinginter-gigpo`` (not in the default
+``--arms``), is the ScalingInter curriculum trained with the GiGPO estimator (``core.study.arm_overrides``:
+``algo.estimator=gigpo``, given after ``--set`` so the arm wins; it needs ``rollout.samples_per_task`` >= 2).
+Each run evaluates its phase finals on the same held-out tasks (greedy, at the largest budget of ``--budgets``)
+from inside the training run, so the held-out curve costs no extra engine start; the base model is scored once
+on the same tasks. The final checkpoint of each run is then scored at every budget of ``--budgets`` (the
+interaction-scaling sweep).
+
+The report (JSON; a table as ``.md``; a PNG): per arm the pooled held-out success over seeds at the largest
+budget with its Wilson interval, McNemar against the base model per seed, the sweep, tokens and wall time, the
+held-out and train curves (mean and min-max band over seeds), the arm's config overrides, and the stability
+diagnostics of ``metrics.jsonl`` (``diag/*``, ``train/entropy``, train success) as means per phase
+(``diagnostics``) and per step (``diag_curves``); the paired bootstrap of ScalingInter minus every other arm
+(and of the GiGPO arm minus each fixed arm) on the per-task success pooled over seeds, at every budget. Where the
+env labels its tasks with the turns its expert needs (BabyAI), the held-out tasks' labels (``task_required_turns``)
+and every result by required-turns bucket (1, 2-3, 4-6, 7+): ``buckets`` per budget (base and arms),
+``bucket_curves`` (per phase, at the largest budget) and the comparisons' ``buckets``.
+
+Everything is logged to one MLflow experiment (``--experiment``, default ``learning-study-<env>``), so
+``scalinginter compare --experiment learning-study-babyai RUN ...`` and ``notebooks/compare_runs.ipynb``
+show the runs side by side. The table, the JSON and the PNG go to ``--results`` (default ``bench/results/``).
+
+Each training run and evaluation is a subprocess (``scalinginter run`` / ``scalinginter eval``) whose output
+goes to a log file under ``--output-dir``; the console shows our progress lines. Re-running the same command
+resumes: finished runs are skipped (their summary exists), an unfinished one resumes from its checkpoint.
+``--merge A.json B.json`` pools reports of the same study that differ in their seeds (intervals, per-bucket
+results and comparisons are recomputed from the per-task outcomes the reports store).
+
+The starting model is the config's ``model.path`` (default: the base SmolLM2): ``--set model.path=DIR`` starts
+every arm from DIR and scores DIR as the "base" row. ``--warmstart-demos N --warmstart-epochs E`` (and
+``--warmstart-lr``) first makes that DIR: ``scalinginter warmstart`` (behaviour cloning on N expert demos of train
+tasks, ``tasks/demos.py``) into ``<output-dir>/warmstart``, reused when it exists with the same settings. The
+report records which model the study started from (``start_model``, with the warm start's record). The two-command
+form is the same thing:
+
+    scalinginter warmstart textcraft --preset easy --demos 61 --epochs 2 --lr 1e-5 --out runs-tc/warm
+    python bench/learning_study.py --env textcraft --preset easy --set model.path=runs-tc/warm --output-dir runs-tc
+
+The multi-step BabyAI study (the ``multistep`` preset: 3 -> 6 -> 10 turns, levels whose tasks need 1 to 10+
+expert turns; a light warm start on the four shorter levels, then the four arms, results by required turns at 3
+and 10 turns):
+
+    scalinginter warmstart babyai --preset multistep \
+        --set 'env.options={"levels":"GoToLocal,PickupLoc,OpenTwoDoors,UnlockLocal"}' \
+        --demos 48 --epochs 2 --lr 5e-5 --turn-limit 10 --out runs-ms/warm
+    python bench/learning_study.py --env babyai --preset multistep \
+        --arms scalinginter,fixed-short,fixed-long,scalinginter-gigpo --seeds 2 --budgets 3,10 \
+        --set model.path=runs-ms/warm --output-dir runs-ms
+
+(the warm start's ``env.options`` are for its demos only: the study trains and scores on the preset's levels).
+Use a fresh ``--output-dir`` per starting model: a directory holding another model's study is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from core.study import (  # noqa: E402
+    ARMS,
+    DEFAULT_ARMS,
+    arm_overrides,
+    arm_phases,
+    bucket_rates,
+    bucket_stats,
+    comparison_pairs,
+    curve_over_seeds,
+    finite_number,
+    mean_of_dicts,
+    paired_mcnemar,
+    parse_arms,
+    phase_means,
+    pooled_successes,
+)
+
+# per-step keys of metrics.jsonl the report keeps: the stability diagnostics (core.metrics.DIAGNOSTICS), the
+# update's policy entropy and the step's train success
+DIAG_KEYS = ("diag/invalid_action_rate", "diag/repeated_action_rate", "diag/reply_tokens", "diag/turns_used_frac",
+             "diag/turn_limit_frac", "diag/zero_adv_group_frac", "train/entropy")
+PHASE_KEYS = DIAG_KEYS + ("success_rate",)
+
+EVAL_KEYS = ("rollout.backend=", "rollout.vllm", "model.")
+_PREFECT_PREFIX = re.compile(r"^\d\d:\d\d:\d\d\.\d+ \| \w+ *\| (?:Flow|Task) run '[^']*' - ")
+PROGRESS_PREFIXES = ("phase ", "ScalingInter run", "evaluating", "before:", "after:", "held-out", "error")
+
+
+def _cli() -> list[str]:
+    return [sys.executable, "-m", "flows.cli"]
+
+
+def _run_logged(cmd: list[str], log: Path, label: str) -> float:
+    """Run ``cmd`` with its output in ``log``; echo our progress lines; return the wall time."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log, "a", buffering=1) as fh:  # line-buffered: the log is readable while the run goes
+        fh.write(f"\n$ {' '.join(cmd)}\n")
+        fh.flush()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                                text=True, errors="replace")
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            fh.write(line)
+            text = _PREFECT_PREFIX.sub("", line.rstrip())  # "12:00:00.000 | INFO    | Flow run 'x' - " + our line
+            if text.startswith(PROGRESS_PREFIXES):
+                print(f"  [{label}] {text}", flush=True)
+        rc = proc.wait()
+    if rc != 0:
+        tail = log.read_text(errors="replace").splitlines()[-15:]
+        raise SystemExit(f"{label} failed (exit {rc}); log: {log}\n" + "\n".join(tail))
+    return time.time() - t0
+
+
+def preset_config(env: str, preset: str, overrides: list[str]):
+    from flows.config import build_config
+
+    return build_config(env, preset, overrides)
+
+
+def train_arm(a: argparse.Namespace, arm: str, seed: int, phases: list[dict], budget: int) -> dict[str, Any]:
+    name = f"study-{a.env}-{arm}-s{seed}"
+    run_dir = Path(a.output_dir).resolve() / name
+    summary_path = run_dir / "summary.json"
+    log = Path(a.output_dir).resolve() / "logs" / f"{name}.log"
+    wall = None
+    if not summary_path.exists():
+        cmd = _cli() + ["run", a.env, "--preset", a.preset, "--run-name", name,
+                        "--set", f"seed={seed}",
+                        "--set", f"output_dir={Path(a.output_dir).resolve()}",
+                        "--set", f"tracking.experiment={a.experiment}",
+                        "--set", "eval.before=false", "--set", "eval.after=false",
+                        "--set", "eval.each_phase=true", "--set", f"eval.n={a.eval_n}",
+                        "--set", f"eval.turn_limit={budget}"]
+        for s in a.set:
+            cmd += ["--set", s]
+        # after the user's (which may set the curriculum ``phases`` came from): the arm's limits and settings win
+        cmd += ["--set", f"curriculum.phases={json.dumps(arm_phases(phases, arm))}"]
+        for s in arm_overrides(arm):
+            cmd += ["--set", s]
+        extra = f"; {', '.join(arm_overrides(arm))}" if arm_overrides(arm) else ""
+        print(f"training {name}: turn limits {' -> '.join(str(p['turn_limit']) for p in arm_phases(phases, arm))}"
+              f"{extra}", flush=True)
+        wall = _run_logged(cmd, log, name)
+    summary = json.loads(summary_path.read_text())
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    by_step = {int(m["global_step"]): m for m in metrics}  # a resumed step logged twice keeps its last record
+    phase_evals = []
+    for k in range(1, len(phases) + 1):
+        p = run_dir / f"eval_phase-{k}.json"
+        if p.exists():
+            phase_evals.append(json.loads(p.read_text()))
+    step_records = [{"global_step": s, "phase": m.get("phase"), **{k: m[k] for k in PHASE_KEYS if k in m}}
+                    for s, m in sorted(by_step.items())]
+    return {
+        "run_name": name, "arm": arm, "seed": seed, "final_checkpoint": summary["final_checkpoint"],
+        "overrides": arm_overrides(arm),
+        "mlflow_run_id": summary.get("mlflow_run_id"),
+        "wall_time_s": wall if wall is not None else summary.get("wall_time_s"),
+        "steps": len(by_step),
+        "generated_tokens": int(sum(m.get("generated_tokens", 0.0) for m in by_step.values())),
+        "step_time_s": float(sum(m.get("step_time_s", 0.0) for m in by_step.values())),
+        "train_success": {s: m.get("success_rate") for s, m in sorted(by_step.items())},
+        "heldout_by_step": {int(e["global_step"]): e for e in phase_evals},
+        "step_records": step_records,  # per step: phase, diag/*, train/entropy, success_rate
+    }
+
+
+def evaluate(a: argparse.Namespace, ref: str, label: str, budgets: list[int], env_options: dict | None,
+             max_new_tokens: int) -> dict[str, Any]:
+    """``scalinginter eval`` (greedy, every budget in one engine call); its JSON document (flows.evaluate)."""
+    out = Path(a.output_dir).resolve() / "evals" / f"{label}.json"
+    if out.exists():
+        had = json.loads(out.read_text())["models"]["model"].get("ref")
+        if had != ref:
+            raise SystemExit(f"{out} scored {had!r}, not {ref!r}: this output dir holds a study of another starting "
+                             "model; pass a fresh --output-dir")
+    else:
+        cmd = _cli() + ["eval", ref, a.env, "--n", str(a.eval_n), "--turn-limits", ",".join(map(str, budgets)),
+                        "--max-new-tokens", str(max_new_tokens), "--json", str(out),
+                        "--experiment", a.experiment]
+        if env_options is not None:
+            cmd += ["--set", f"env.options={json.dumps(env_options)}"]
+        for s in a.set:  # how to generate (backend, engine settings, model) is the same as in training
+            if s.startswith(EVAL_KEYS):
+                cmd += ["--set", s]
+        print(f"evaluating {label} on {a.eval_n} held-out tasks at turn budgets {budgets}", flush=True)
+        _run_logged(cmd, Path(a.output_dir).resolve() / "logs" / f"eval-{label}.log", label)
+    return json.loads(out.read_text())
+
+
+def per_task_success(doc: dict[str, Any], budget: int, model: str = "model") -> list[float]:
+    """Per-task success (Avg@K over the task's unmasked samples; greedy: 0 or 1) at one budget, in task order."""
+    cell = doc["models"][model]["budgets"][str(budget)]
+    out = []
+    for t in cell["per_task"]:
+        s = [x for x in t["successes"] if x is not None]
+        out.append(sum(s) / len(s) if s else 0.0)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="scalinginter study", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--env", default="babyai")
+    ap.add_argument("--arms", default=",".join(DEFAULT_ARMS),
+                    help=f"comma-separated, of: {', '.join(ARMS)} (default {','.join(DEFAULT_ARMS)})")
+    ap.add_argument("--seeds", type=int, default=2, help="training seeds per arm (first-seed .. first-seed+N-1)")
+    ap.add_argument("--first-seed", type=int, default=0, help="the first training seed (add seeds to an earlier study)")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="REPORT.json",
+                    help="no training: merge study reports of the same env, preset and held-out tasks but different "
+                         "seeds into one report (table, JSON, PNG)")
+    ap.add_argument("--preset", default="smoke", help="the ScalingInter curriculum and recipe every arm starts from")
+    ap.add_argument("--set", action="append", default=[], help="config override for every run (key.path=value)")
+    ap.add_argument("--eval-n", type=int, default=None,
+                    help="held-out tasks, the same for every arm and seed (default: the preset's eval.n)")
+    ap.add_argument("--budgets", default=None, help="turn budgets of the final sweep (default: the arms' limits)")
+    ap.add_argument("--output-dir", default="runs-study", help="runs, checkpoints, MLflow store and logs")
+    ap.add_argument("--experiment", default=None, help="MLflow experiment (default learning-study-<env>)")
+    ap.add_argument("--results", default=str(ROOT / "bench" / "results"), help="where the JSON/PNG/table go")
+    ap.add_argument("--warmstart-demos", type=int, default=None,
+                    help="first warm-start the model: behaviour cloning on N expert demos of train tasks "
+                         "(scalinginter warmstart), every arm and the base row start from it")
+    ap.add_argument("--warmstart-epochs", type=int, default=None, help="epochs of the warm start")
+    ap.add_argument("--warmstart-lr", type=float, default=1e-5, help="learning rate of the warm start")
+    ap.add_argument("--keep-checkpoints", action="store_true", help="keep the runs' checkpoints (default: delete "
+                                                                     "them once scored; ~0.5-1.6 GB each)")
+    a = ap.parse_args(argv)
+    if a.merge:
+        report = merge_reports([json.loads(Path(p).read_text()) for p in a.merge])
+        report["merged_from"] = [Path(p).name for p in a.merge]
+        a.env = report["env"]
+        write_outputs(a, report)
+        return 0
+    try:
+        arms = parse_arms(a.arms)
+    except ValueError as e:
+        ap.error(str(e))
+    if a.seeds < 1:
+        ap.error("--seeds must be >= 1")
+    a.experiment = a.experiment or f"learning-study-{a.env}"
+    a.set = absolute_model_path(a.set)
+    Path(a.output_dir).mkdir(parents=True, exist_ok=True)
+    warm = None
+    if a.warmstart_demos is not None or a.warmstart_epochs is not None:
+        if a.warmstart_demos is None or a.warmstart_epochs is None:
+            ap.error("--warmstart-demos and --warmstart-epochs go together")
+        if a.warmstart_demos < 1 or a.warmstart_epochs < 1:
+            ap.error("--warmstart-demos and --warmstart-epochs must be >= 1")
+        warm = warm_start(a)
+        a.set = [s for s in a.set if not s.startswith("model.path=")] + [f"model.path={warm['dir']}"]
+    cfg = preset_config(a.env, a.preset, a.set)
+    start_model = start_model_record(cfg.model.path, warm)
+    a.eval_n = a.eval_n or cfg.eval.n
+    phases = [p.model_dump() for p in cfg.curriculum.phases]
+    mnt = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
+    limits = sorted({p["turn_limit"] for p in phases})
+    budgets = sorted(int(x) for x in a.budgets.split(",")) if a.budgets else limits
+    big = max(budgets)
+    os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{Path(a.output_dir).resolve() / 'mlflow.db'}")
+    Path(a.output_dir).mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+    print(f"learning study on {a.env}: arms {', '.join(arms)} x {a.seeds} seed(s), preset {a.preset} "
+          f"({sum(p['steps'] for p in phases)} steps), held-out n={a.eval_n}, budgets {budgets}; "
+          f"MLflow experiment {a.experiment!r} ({os.environ['MLFLOW_TRACKING_URI']}); logs in {a.output_dir}/logs",
+          flush=True)
+    print(f"starting model (every arm and the base row): {describe_start(start_model)}", flush=True)
+    base = evaluate(a, cfg.model.path, "base", budgets, cfg.env.options, mnt)
+    runs = []
+    for seed in range(a.first_seed, a.first_seed + a.seeds):
+        for arm in arms:
+            r = train_arm(a, arm, seed, phases, big)
+            # the env options are given, not read from the checkpoint: every model on exactly the same tasks
+            r["final_eval"] = evaluate(a, r["final_checkpoint"], r["run_name"], budgets, cfg.env.options, mnt)
+            runs.append(r)
+            if not a.keep_checkpoints:
+                _drop_checkpoints(Path(a.output_dir).resolve() / "checkpoints" / r["run_name"])
+    report = build_report(a, arms, phases, budgets, base, runs, time.time() - t_start)
+    report["start_model"] = start_model
+    write_outputs(a, report)
+    return 0
+
+
+def absolute_model_path(overrides: list[str]) -> list[str]:
+    """``model.path=DIR`` with DIR an existing local folder made absolute (the runs are subprocesses in the repo
+    root, so a path relative to the caller's directory would name another folder there)."""
+    out = []
+    for s in overrides:
+        if s.startswith("model.path="):
+            p = Path(s.split("=", 1)[1]).expanduser()
+            if p.exists():
+                s = f"model.path={p.resolve()}"
+        out.append(s)
+    return out
+
+
+def warm_start(a: argparse.Namespace) -> dict[str, Any]:
+    """``scalinginter warmstart`` into ``<output-dir>/warmstart`` (reused when it was made with the same demos,
+    epochs and lr); its record (``warmstart.json``) with the folder as ``dir``."""
+    d = Path(a.output_dir).resolve() / "warmstart"
+    rec_path = d / "warmstart.json"
+    want = {"demos_requested": a.warmstart_demos, "epochs": a.warmstart_epochs, "lr": a.warmstart_lr}
+    if rec_path.exists():
+        rec = json.loads(rec_path.read_text())
+        had = {k: rec.get(k) for k in want}
+        if had != want:
+            raise SystemExit(f"{d} is a warm start with {had}, not {want}: pass a fresh --output-dir")
+        print(f"warm start: reusing {d} ({rec['demos_succeeded']}/{rec['demos_requested']} demos, "
+              f"{rec['epochs']} epoch(s) at lr {rec['lr']:g})", flush=True)
+    else:
+        cmd = _cli() + ["warmstart", a.env, "--preset", a.preset, "--demos", str(a.warmstart_demos),
+                        "--epochs", str(a.warmstart_epochs), "--lr", str(a.warmstart_lr), "--out", str(d)]
+        for s in a.set:
+            cmd += ["--set", s]
+        print(f"warm start: {a.warmstart_demos} expert demos, {a.warmstart_epochs} epoch(s) at lr "
+              f"{a.warmstart_lr:g} -> {d}", flush=True)
+        _run_logged(cmd, Path(a.output_dir).resolve() / "logs" / "warmstart.log", "warmstart")
+        rec = json.loads(rec_path.read_text())
+    return {**rec, "dir": str(d)}
+
+
+def start_model_record(path: str, warm: dict[str, Any] | None) -> dict[str, Any]:
+    """Which model the study started from: the path, and the warm start's record when the folder has one."""
+    rec = warm
+    if rec is None and (Path(path) / "warmstart.json").exists():
+        rec = json.loads((Path(path) / "warmstart.json").read_text())
+    keep = ("source_model", "demos_requested", "demos_succeeded", "epochs", "lr", "batch_size", "epoch_losses",
+            "demo_turn_limit", "env_options")
+    return {"path": path, "warmstart": None if rec is None else {k: rec.get(k) for k in keep}}
+
+
+def describe_start(sm: dict[str, Any] | None) -> str:
+    if not sm:
+        return "the config's model.path (not recorded)"
+    w = sm.get("warmstart")
+    if not w:
+        return sm["path"]
+    losses = w.get("epoch_losses") or [float("nan")]
+    return (f"{sm['path']} (behaviour-cloning warm start of {w['source_model']}: {w['demos_succeeded']}/"
+            f"{w['demos_requested']} expert demos of train tasks, {w['epochs']} epoch(s) at lr {w['lr']:g}, "
+            f"NLL {losses[0]:.3f} -> {losses[-1]:.3f})")
+
+
+def _drop_checkpoints(path: Path) -> None:
+    import shutil
+
+    if path.exists():
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def task_labels(doc: dict[str, Any], budget: int | None = None, model: str = "model") -> list[int | None] | None:
+    """The fewest turns each held-out task needs (``required_turns``), in the evaluation's task order, at one budget
+    (default the largest; the label does not depend on it); None when the env labels no task."""
+    budgets = doc["models"][model]["budgets"]
+    cell = budgets[str(budget) if budget is not None else max(budgets, key=int)]
+    labels = [t.get("required_turns") for t in cell["per_task"]]
+    return labels if any(x is not None for x in labels) else None
+
+
+def _bands(curves: list[dict[int, float]]) -> dict[int, dict[str, Any]]:
+    return {s: vars(b) for s, b in curve_over_seeds(curves).items()}
+
+
+def build_report(a: argparse.Namespace, arms: list[str], phases: list[dict], budgets: list[int],
+                 base: dict[str, Any], runs: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+    from core.evalreport import flat_metrics
+    from core.stats import wilson_interval
+
+    big = max(budgets)
+    task_ids = base["task_ids"]
+    for r in runs:
+        if r["final_eval"]["task_ids"] != task_ids:
+            raise SystemExit(f"{r['run_name']} was scored on other held-out tasks than the base model; pass a fresh "
+                             "--output-dir")
+    labels = task_labels(base, big)  # None: the env labels no task, no per-bucket results
+    base_by_budget = {str(b): per_task_success(base, b) for b in budgets}
+    base_s = base_by_budget[str(big)]
+    base_rates = bucket_rates(base_s, labels) if labels else {}
+    arms_out: dict[str, Any] = {}
+    for arm in arms:
+        rs = [r for r in runs if r["arm"] == arm]
+        by_budget = {str(b): [per_task_success(r["final_eval"], b) for r in rs] for b in budgets}
+        per_seed = by_budget[str(big)]
+        pooled = pooled_successes(per_seed)
+        n = len(pooled)
+        k = sum(sum(p) for p in per_seed)
+        lo, hi = wilson_interval(int(round(k)), n * len(per_seed))
+        vs_base = [paired_mcnemar(s, base_s) for s in per_seed]
+        # held-out curve: the base at step 0, each phase final (eval.each_phase), the final at the last step
+        curves = [{0: sum(base_s) / n,
+                   **{s: flat_metrics(e)["success_rate"] for s, e in r["heldout_by_step"].items()},
+                   r["steps"]: sum(p) / n} for r, p in zip(rs, per_seed)]
+        train_curves = [{int(s): float(v) for s, v in r["train_success"].items() if v is not None} for r in rs]
+        out: dict[str, Any] = {
+            "turn_limits": [p["turn_limit"] for p in arm_phases(phases, arm)],
+            "overrides": arm_overrides(arm),
+            "runs": [r["run_name"] for r in rs],
+            "heldout_success": k / (n * len(per_seed)), "ci95": [lo, hi],
+            "per_seed_success": [sum(p) / n for p in per_seed],
+            "vs_base_mcnemar_p": vs_base,
+            "sweep": {b: sum(sum(p) for p in by_budget[str(b)]) / (n * len(rs)) for b in budgets},
+            "steps": rs[0]["steps"] if rs else 0,
+            "generated_tokens": sum(r["generated_tokens"] for r in rs) / max(len(rs), 1),
+            "wall_time_s": (sum(r["wall_time_s"] or 0 for r in rs) / max(len(rs), 1)),
+            "step_time_s": sum(r["step_time_s"] for r in rs) / max(len(rs), 1),
+            "curve": _bands(curves),
+            "train_curve": _bands(train_curves),
+            "pooled_per_task": pooled,
+            "per_seed_per_task": per_seed,  # greedy 0/1 per held-out task, per seed (task order of the eval)
+            "per_seed_per_task_by_budget": by_budget,  # the same at every budget of the sweep
+            # stability diagnostics: per phase the mean over its steps, then over seeds; per step, a band over seeds
+            "diagnostics": mean_of_dicts([(phase_means(r["step_records"], PHASE_KEYS), 1.0) for r in rs]),
+            "diag_curves": {key: c for key in DIAG_KEYS if (c := _bands(
+                [{int(x["global_step"]): v for x in r["step_records"] if (v := finite_number(x.get(key))) is not None}
+                 for r in rs]))},
+        }
+        if labels:
+            out["buckets"] = {str(b): bucket_stats(by_budget[str(b)], labels, base_by_budget[str(b)])
+                              for b in budgets}
+            per_run = []  # {step: {bucket: rate}} per seed, at the largest budget: base, phase finals, final
+            for r, p in zip(rs, per_seed):
+                c = {0: base_rates}
+                for step, e in r["heldout_by_step"].items():
+                    lab = task_labels(e)
+                    if lab:
+                        c[int(step)] = bucket_rates(per_task_success(e, max(map(int, e["models"]["model"]["budgets"]))),
+                                                    lab)
+                c[r["steps"]] = bucket_rates(p, labels)
+                per_run.append(c)
+            out["bucket_curves"] = {key: _bands([{s: v[key] for s, v in c.items() if key in v} for c in per_run])
+                                    for key in base_rates}
+        arms_out[arm] = out
+    base_out: dict[str, Any] = {
+        "heldout_success": sum(base_s) / len(base_s), "ci95": list(wilson_interval(int(sum(base_s)), len(base_s))),
+        "sweep": {b: sum(base_by_budget[str(b)]) / len(base_s) for b in budgets},
+        "per_task_by_budget": base_by_budget}
+    if labels:
+        base_out["buckets"] = {str(b): bucket_stats([base_by_budget[str(b)]], labels) for b in budgets}
+    report = {"env": a.env, "preset": a.preset, "overrides": a.set, "seeds": a.seeds, "eval_n": a.eval_n,
+              "budgets": budgets, "experiment": a.experiment, "machine": _machine(), "task_ids": task_ids}
+    if labels:
+        report["task_required_turns"] = labels
+    report.update({"base": base_out, "arms": arms_out, "comparisons": arm_comparisons(arms_out, labels),
+                   "wall_time_s": wall, "runs": [{k: v for k, v in r.items() if k != "final_eval"} for r in runs]})
+    return report
+
+
+def _paired(x: list[float], y: list[float]) -> dict[str, Any]:
+    from core.stats import paired_bootstrap
+
+    c = paired_bootstrap(x, y, seed=0)
+    return {"diff": c.diff, "ci95": list(c.ci), "p_value": c.p_value, "tasks": len(x)}
+
+
+def arm_comparisons(arms_out: dict[str, Any], labels: list[int | None] | None = None) -> dict[str, Any]:
+    """``"A - B"`` for the pairs of ``core.study.comparison_pairs`` (ScalingInter minus every other arm, the GiGPO
+    arm minus each fixed arm) on the same held-out tasks: the paired bootstrap over the per-task success pooled over
+    seeds at the largest budget (``diff``, ``ci95``, ``p_value``), and where the reports have the per-task outcomes
+    at every budget, the same per budget (``budgets``) and, with the tasks' labels, per required-turns bucket
+    (``budgets[<T>]["buckets"]``)."""
+    from core.study import bucket_indices
+
+    out = {}
+    for x, y in comparison_pairs(arms_out):
+        entry = _paired(arms_out[x]["pooled_per_task"], arms_out[y]["pooled_per_task"])
+        bx, by = arms_out[x].get("per_seed_per_task_by_budget"), arms_out[y].get("per_seed_per_task_by_budget")
+        if bx and by:
+            entry["budgets"] = {}
+            for b in sorted(set(bx) & set(by), key=int):
+                px, py = pooled_successes(bx[b]), pooled_successes(by[b])
+                e = _paired(px, py)
+                if labels:
+                    e["buckets"] = {k: _paired([px[i] for i in idx], [py[i] for i in idx])
+                                    for k, idx in bucket_indices(labels).items()}
+                entry["budgets"][b] = e
+        out[f"{x} - {y}"] = entry
+    return out
+
+
+def _merge_bands(curves: list[dict[str, Any]]) -> dict[str, Any]:
+    """Curves ``{step: band}`` of several reports -> one: the mean weighted by each point's seeds, the min-max
+    envelope, the seeds behind each point."""
+    pts: dict[int, list[dict]] = {}
+    for c in curves:
+        for step, b in c.items():
+            pts.setdefault(int(step), []).append(b)
+    out = {}
+    for step, bs in sorted(pts.items()):
+        total = sum(int(b.get("n", 1)) for b in bs)
+        out[str(step)] = {"mean": sum(b["mean"] * int(b.get("n", 1)) for b in bs) / total,
+                          "lo": min(b["lo"] for b in bs), "hi": max(b["hi"] for b in bs), "n": total}
+    return out
+
+
+def _merge_nested_bands(parts: list[dict[str, Any]], key: str) -> dict[str, Any] | None:
+    """``{name: {step: band}}`` (bucket_curves, diag_curves) of several reports' arm -> one (None: none has it)."""
+    have = [p[key] for p in parts if p.get(key)]
+    if not have:
+        return None
+    names = list(dict.fromkeys(n for h in have for n in h))
+    return {n: _merge_bands([h[n] for h in have if n in h]) for n in names}
+
+
+def start_identity(report: dict[str, Any]) -> Any:
+    """What makes two reports' starting models the same: a warm start's record (source model, recipe, and its epoch
+    losses, which a remade warm start reproduces to the last digit) wherever its folder was; else the model path."""
+    sm = report.get("start_model") or {}
+    return ("warmstart", json.dumps(sm["warmstart"], sort_keys=True)) if sm.get("warmstart") else ("path", sm.get("path"))
+
+
+def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report from study reports that differ only in their seeds (same env, preset, held-out tasks and base
+    model outcome): pooled success and intervals over every seed's episodes, the paired comparisons on the
+    per-task means over all seeds, the sweeps at the budgets every report has (mean over seeds), the curves' points
+    with the number of seeds behind each, the per-phase diagnostics weighted by seeds. Per required-turns bucket
+    (where the reports carry the same ``task_required_turns``): the buckets' rates, intervals and comparisons
+    recomputed from the per-seed per-task outcomes. A report written before ``per_seed_per_task`` existed counts
+    as one seed per arm whose per-task outcomes are its ``pooled_per_task``; one written before the per-budget
+    outcomes (``per_seed_per_task_by_budget``) leaves the merged per-bucket results and per-budget comparisons
+    out."""
+    from core.stats import wilson_interval
+
+    if len(reports) < 2:
+        raise SystemExit("--merge needs two or more reports")
+    first = reports[0]
+    for r in reports[1:]:
+        for key in ("env", "preset", "eval_n"):
+            if r[key] != first[key]:
+                raise SystemExit(f"--merge: reports differ in {key}: {first[key]!r} vs {r[key]!r}")
+        if start_identity(r) != start_identity(first):
+            raise SystemExit("--merge: the reports started from different models")
+        if abs(r["base"]["heldout_success"] - first["base"]["heldout_success"]) > 1e-12:
+            raise SystemExit("--merge: the base model scored differently: not the same held-out tasks")
+        if r.get("task_ids") and first.get("task_ids") and r["task_ids"] != first["task_ids"]:
+            raise SystemExit("--merge: the reports were scored on different held-out tasks")
+        if r.get("task_required_turns") != first.get("task_required_turns"):
+            raise SystemExit("--merge: the reports' held-out tasks have different required-turns labels "
+                             "(task_required_turns)")
+        if list(r["arms"]) != list(first["arms"]):
+            raise SystemExit(f"--merge: reports have different arms: {list(first['arms'])} vs {list(r['arms'])}")
+        for arm, p in r["arms"].items():
+            q = first["arms"][arm]
+            if "overrides" in p and "overrides" in q and p["overrides"] != q["overrides"]:
+                raise SystemExit(f"--merge: arm {arm} has other overrides: {q['overrides']} vs {p['overrides']}")
+    budgets = sorted(set.intersection(*(set(int(b) for b in r["budgets"]) for r in reports)))
+    if max(budgets) != max(int(b) for b in first["budgets"]):
+        raise SystemExit("--merge: the reports do not share their largest budget")
+    labels = first.get("task_required_turns")
+    base_tasks = None  # the base model's per-task success per budget, where every report has it (and the same)
+    if all("per_task_by_budget" in r["base"] for r in reports):
+        base_tasks = {str(b): first["base"]["per_task_by_budget"][str(b)] for b in budgets}
+        if any(r["base"]["per_task_by_budget"][str(b)] != base_tasks[str(b)] for r in reports for b in budgets):
+            raise SystemExit("--merge: the base model scored differently: not the same held-out tasks")
+    arms_out: dict[str, Any] = {}
+    for arm in first["arms"]:
+        parts = [r["arms"][arm] for r in reports]
+        per_seed = [s for p in parts for s in p.get("per_seed_per_task") or [p["pooled_per_task"]]]
+        n, seeds = len(per_seed[0]), len(per_seed)
+        k = sum(sum(s) for s in per_seed)
+        lo, hi = wilson_interval(int(round(k)), n * seeds)
+        out: dict[str, Any] = {
+            "turn_limits": parts[0]["turn_limits"], "overrides": parts[0].get("overrides", []),
+            "runs": [x for p in parts for x in p["runs"]],
+            "heldout_success": k / (n * seeds), "ci95": [lo, hi],
+            "per_seed_success": [x for p in parts for x in p["per_seed_success"]],
+            "vs_base_mcnemar_p": [x for p in parts for x in p["vs_base_mcnemar_p"]],
+            "sweep": {str(b): sum(p["sweep"][str(b)] * len(p["per_seed_success"]) for p in parts) / seeds
+                      for b in budgets},
+            "steps": parts[0]["steps"],
+            **{key: sum(p[key] * len(p["per_seed_success"]) for p in parts) / seeds
+               for key in ("generated_tokens", "wall_time_s", "step_time_s")},
+            "curve": _merge_bands([p["curve"] for p in parts]),
+            "train_curve": _merge_bands([p["train_curve"] for p in parts]),
+            "pooled_per_task": pooled_successes(per_seed),
+            "per_seed_per_task": per_seed,
+        }
+        if all(str(b) in (p.get("per_seed_per_task_by_budget") or {}) for p in parts for b in budgets):
+            by_budget = {str(b): [s for p in parts for s in p["per_seed_per_task_by_budget"][str(b)]]
+                         for b in budgets}
+            out["per_seed_per_task_by_budget"] = by_budget
+            if labels:
+                out["buckets"] = {b: bucket_stats(v, labels, base_tasks[b] if base_tasks else None)
+                                  for b, v in by_budget.items()}
+        if any(p.get("diagnostics") for p in parts):
+            out["diagnostics"] = mean_of_dicts([(p.get("diagnostics") or {}, len(p["per_seed_success"]))
+                                                for p in parts])
+        for key in ("diag_curves", "bucket_curves"):
+            merged = _merge_nested_bands(parts, key)
+            if merged is not None:
+                out[key] = merged
+        arms_out[arm] = out
+    base = dict(first["base"])
+    base["sweep"] = {str(b): first["base"]["sweep"][str(b)] for b in budgets}
+    if base_tasks is not None:
+        base["per_task_by_budget"] = base_tasks
+        if labels:
+            base["buckets"] = {b: bucket_stats([v], labels) for b, v in base_tasks.items()}
+    elif "buckets" in base:
+        base["buckets"] = {str(b): base["buckets"][str(b)] for b in budgets if str(b) in base["buckets"]}
+    report = {"env": first["env"], "preset": first["preset"], "overrides": first["overrides"],
+              "seeds": len(arms_out[next(iter(arms_out))]["per_seed_success"]), "eval_n": first["eval_n"],
+              "budgets": budgets, "experiment": first["experiment"], "start_model": first.get("start_model"),
+              "machine": "; ".join(sorted({r["machine"] for r in reports}))}
+    if first.get("task_ids"):
+        report["task_ids"] = first["task_ids"]
+    if labels:
+        report["task_required_turns"] = labels
+    report.update({"base": base, "arms": arms_out, "comparisons": arm_comparisons(arms_out, labels),
+                   "wall_time_s": sum(r["wall_time_s"] for r in reports),
+                   "runs": [x for r in reports for x in r["runs"]]})
+    return report
+
+
+def _machine() -> str:
+    try:
+        flags = set(open("/proc/cpuinfo").read().split())
+    except OSError:
+        flags = set()
+    kind = [f for f in ("amx_bf16", "avx512_bf16") if f in flags] or ["avx2-only (fp32)"]
+    return f"{os.cpu_count()} cores, {', '.join(kind)}"
+
+
+def _rate(c: dict[str, Any] | None) -> str:
+    return "-" if not c else f"{c['success']:.2f} [{c['ci95'][0]:.2f},{c['ci95'][1]:.2f}]"
+
+
+def _diff(c: dict[str, Any]) -> str:
+    return f"{c['diff']:+.3f} [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}] p={c['p_value']:.2g}"
+
+
+DIAG_COLUMNS = (("invalid", "diag/invalid_action_rate"), ("repeat", "diag/repeated_action_rate"),
+                ("used", "diag/turns_used_frac"), ("at-limit", "diag/turn_limit_frac"),
+                ("0-adv", "diag/zero_adv_group_frac"), ("entropy", "train/entropy"), ("train", "success_rate"))
+
+
+def table(report: dict[str, Any]) -> str:
+    big = max(report["budgets"])
+    lines = [f"learning study: {report['env']}, preset {report['preset']}, {report['seeds']} seed(s), "
+             f"held-out n={report['eval_n']} at {big} turns (greedy); {report['machine']}",
+             f"starting model: {describe_start(report.get('start_model'))}",
+             f"{'arm':<20}{'limits':<12}{'held-out':>10}{'95% CI':>16}{'vs base p (per seed)':>22}{'steps':>7}"
+             f"{'tokens':>10}{'step s':>8}{'wall s':>9}",
+             f"{'base model':<20}{'-':<12}{report['base']['heldout_success']:>10.3f}"
+             f"{'[%.3f, %.3f]' % tuple(report['base']['ci95']):>16}{'':>22}{0:>7}{'-':>10}{'-':>8}{'-':>9}"]
+    for arm, r in report["arms"].items():
+        ps = ",".join(f"{p:.2g}" for p in r["vs_base_mcnemar_p"])
+        lines.append(f"{arm:<20}{'>'.join(map(str, r['turn_limits'])):<12}{r['heldout_success']:>10.3f}"
+                     f"{'[%.3f, %.3f]' % tuple(r['ci95']):>16}{ps:>22}{r['steps']:>7}"
+                     f"{r['generated_tokens']:>10.0f}{r['step_time_s']:>8.0f}{r['wall_time_s']:>9.0f}")
+    extra = [f"{arm}: {', '.join(r['overrides'])}" for arm, r in report["arms"].items() if r.get("overrides")]
+    if extra:
+        lines.append("arm overrides: " + "; ".join(extra))
+    for name, c in report["comparisons"].items():
+        lines.append(f"{name}: {c['diff']:+.3f} [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}], "
+                     f"paired bootstrap p = {c['p_value']:.3g}")
+        for b, e in sorted((c.get("budgets") or {}).items(), key=lambda kv: -int(kv[0])):
+            parts = ([f"all {_diff(e)}"] if int(b) != big else []) + [
+                f"{k} {_diff(x)}" for k, x in (e.get("buckets") or {}).items()]
+            if parts:
+                lines.append(f"    at {b} turns: " + "; ".join(parts))
+    lines.append("sweep (held-out success by turn budget): " + "; ".join(
+        f"{arm} " + ", ".join(f"{b}:{v:.2f}" for b, v in r["sweep"].items()) for arm, r in report["arms"].items()))
+    labels = report.get("task_required_turns")
+    if labels:
+        from core.study import bucket_indices
+
+        sizes = {k: len(v) for k, v in bucket_indices(labels).items()}
+        for b in sorted(report["budgets"], key=int, reverse=True):
+            lines.append(f"held-out by required turns at {b} turns (success [95% CI], pooled over seeds):")
+            lines.append(f"{'':<20}" + "".join(f"{f'{k} (n={n})':>18}" for k, n in sizes.items()))
+            rows = [("base model", report["base"].get("buckets", {}).get(str(b), {}))] + [
+                (arm, r.get("buckets", {}).get(str(b), {})) for arm, r in report["arms"].items()]
+            for name, cells in rows:
+                lines.append(f"{name:<20}" + "".join(f"{_rate(cells.get(k)):>18}" for k in sizes))
+    if any(r.get("diagnostics") for r in report["arms"].values()):
+        lines.append("stability diagnostics per phase (mean over the phase's steps and the seeds; train = train "
+                     "success):")
+        lines.append(f"{'arm':<20}{'phase':<9}{'limit':>6}" + "".join(f"{h:>10}" for h, _ in DIAG_COLUMNS))
+        for arm, r in report["arms"].items():
+            for i, (ph, vals) in enumerate((r.get("diagnostics") or {}).items()):
+                lim = r["turn_limits"][i] if i < len(r["turn_limits"]) else "-"
+                lines.append(f"{arm:<20}{ph:<9}{lim:>6}" + "".join(
+                    f"{vals[k]:>10.3f}" if k in vals else f"{'-':>10}" for _, k in DIAG_COLUMNS))
+    return "\n".join(lines)
+
+
+def write_outputs(a: argparse.Namespace, report: dict[str, Any]) -> None:
+    out = Path(a.results)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"learning-study-{a.env}-{time.strftime('%Y%m%d-%H%M%S')}"
+    text = table(report)
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    stem.with_suffix(".md").write_text("```\n" + text + "\n```\n")
+    plot(report, stem.with_suffix(".png"))
+    print("\n" + text)
+    print(f"\nwrote {stem}.json, .md, .png")
+
+
+def _plot_bands(ax, bands: dict[Any, dict[str, Any]], label: str) -> None:
+    pts = sorted((int(s), b) for s, b in bands.items())
+    xs = [s for s, _ in pts]
+    ax.plot(xs, [b["mean"] for _, b in pts], marker="o", markersize=3, label=label)
+    ax.fill_between(xs, [b["lo"] for _, b in pts], [b["hi"] for _, b in pts], alpha=0.15)
+
+
+PLOT_DIAG = ("diag/turn_limit_frac", "episodes ending at the turn limit (share, per step)")
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Top: held-out success vs training step (left) and train success per step (right), per arm: mean over seeds
+    and the min-max band. Bottom (where the report has them): held-out success per required-turns bucket vs step
+    (one panel per bucket) and the share of episodes ending at the turn limit per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = report["arms"]
+    big = max(report["budgets"])
+    buckets = list(dict.fromkeys(k for r in arms.values() for k in r.get("bucket_curves") or {}))
+    diag = any(PLOT_DIAG[0] in (r.get("diag_curves") or {}) for r in arms.values())
+    bottom = len(buckets) + int(diag)
+    fig = plt.figure(figsize=(max(12, 3.6 * bottom), 8.6 if bottom else 4.2), constrained_layout=True)
+    top, low = fig.subfigures(2, 1) if bottom else (fig, None)
+    axes = top.subplots(1, 2)
+    panels = [("curve", f"held-out success (n={report['eval_n']}, {big} turns, greedy)"),
+              ("train_curve", "train success (sampled episodes of the step)")]
+    for ax, (key, label) in zip(axes, panels):
+        for arm, r in arms.items():
+            _plot_bands(ax, r[key], f"{arm} ({'>'.join(map(str, r['turn_limits']))})")
+        ax.set_xlabel("training step")
+        ax.set_ylabel(label)
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    if low is not None:
+        sizes = {}
+        if report.get("task_required_turns"):
+            from core.study import bucket_indices
+
+            sizes = {k: len(v) for k, v in bucket_indices(report["task_required_turns"]).items()}
+        row = low.subplots(1, bottom, squeeze=False)[0]
+        for ax, k in zip(row, buckets):
+            for arm, r in arms.items():
+                if k in (r.get("bucket_curves") or {}):
+                    _plot_bands(ax, r["bucket_curves"][k], arm)
+            n = f", n={sizes[k]}" if k in sizes else ""
+            ax.set_title(f"held-out, needs {k} turn(s){n}", fontsize=9)
+            ax.set_xlabel("training step")
+            ax.set_ylim(0, 1)
+            ax.grid(alpha=0.3)
+        if buckets:
+            row[0].set_ylabel(f"held-out success at {big} turns")
+        if diag:
+            ax = row[-1]
+            for arm, r in arms.items():
+                if PLOT_DIAG[0] in (r.get("diag_curves") or {}):
+                    _plot_bands(ax, r["diag_curves"][PLOT_DIAG[0]], arm)
+            ax.set_title(PLOT_DIAG[1], fontsize=9)
+            ax.set_xlabel("training step")
+            ax.set_ylim(0, 1.05)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.suptitle(f"{report['env']}: ScalingInter vs fixed horizons ({report['seeds']} seed(s); band = min-max "
+                 f"over seeds); {report['machine']}")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
