@@ -203,3 +203,47 @@ def mean_of_dicts(parts: list[tuple[dict[str, dict[str, float]], float]]) -> dic
                     a[0] += w * float(v)
                     a[1] += w
     return {g: {k: s / w for k, (s, w) in row.items() if w > 0} for g, row in acc.items()}
+
+
+# --- collapse, horizon use and retention, per run ------------------------------------------------------------
+COLLAPSE_WINDOW = 3  # steps in the moving averages of the collapse rule
+COLLAPSE_RULE = (f"collapsed: the mean train success of the last {COLLAPSE_WINDOW} steps is below half the best "
+                 f"{COLLAPSE_WINDOW}-step moving average before them (a best of at least 0.05), and the mean policy "
+                 f"entropy of the last {COLLAPSE_WINDOW} steps is below half or above twice that of the first "
+                 f"{COLLAPSE_WINDOW}")
+
+
+def collapse_check(success: list[float], entropy: list[float], window: int = COLLAPSE_WINDOW) -> dict[str, Any]:
+    """The collapse rule (``COLLAPSE_RULE``) on a run's per-step train success and policy entropy: whether it
+    collapsed, and the numbers behind the verdict (None where the run is too short to tell)."""
+    out: dict[str, Any] = {"collapsed": False, "final_success": None, "best_success": None, "entropy_ratio": None}
+    if len(success) < 2 * window:
+        return out
+    moving = [sum(success[i:i + window]) / window for i in range(len(success) - window + 1)]
+    final, best = moving[-1], max(moving[:-1])
+    out.update(final_success=final, best_success=best)
+    fell = best >= 0.05 and final < 0.5 * best
+    if len(entropy) >= 2 * window:
+        first = sum(entropy[:window]) / window
+        last = sum(entropy[-window:]) / window
+        ratio = last / first if first > 0 else None
+        out["entropy_ratio"] = ratio
+        out["collapsed"] = bool(fell and ratio is not None and (ratio < 0.5 or ratio > 2.0))
+    return out
+
+
+def retention(base: list[float], final: list[float], labels: list[int | None] | None = None) -> dict[str, Any]:
+    """What a run kept of what its starting policy solved: of the tasks the start solved (per-task success > 0),
+    the share the final policy still solves, overall (``all``) and per required-turns bucket (with ``labels``); None
+    where the start solved none."""
+    if len(base) != len(final):
+        raise ValueError(f"{len(base)} starting and {len(final)} final task scores: not the same tasks")
+
+    def kept(idx: list[int]) -> float | None:
+        solved = [i for i in idx if base[i] > 0]
+        return sum(1 for i in solved if final[i] > 0) / len(solved) if solved else None
+
+    out: dict[str, Any] = {"all": kept(list(range(len(base))))}
+    if labels:
+        out.update({k: kept(idx) for k, idx in bucket_indices(labels).items()})
+    return out

@@ -74,11 +74,13 @@ sys.path.insert(0, str(ROOT))
 
 from core.study import (  # noqa: E402
     ARMS,
+    COLLAPSE_RULE,
     DEFAULT_ARMS,
     arm_overrides,
     arm_phases,
     bucket_rates,
     bucket_stats,
+    collapse_check,
     comparison_pairs,
     curve_over_seeds,
     finite_number,
@@ -87,6 +89,7 @@ from core.study import (  # noqa: E402
     parse_arms,
     phase_means,
     pooled_successes,
+    retention,
 )
 
 # per-step keys of metrics.jsonl the report keeps: the stability diagnostics (core.metrics.DIAGNOSTICS), the
@@ -429,6 +432,7 @@ def build_report(a: argparse.Namespace, arms: list[str], phases: list[dict], bud
                 [{int(x["global_step"]): v for x in r["step_records"] if (v := finite_number(x.get(key))) is not None}
                  for r in rs]))},
         }
+        out["per_seed"] = run_health(rs, per_seed, base_s, labels)
         if labels:
             out["buckets"] = {str(b): bucket_stats(by_budget[str(b)], labels, base_by_budget[str(b)])
                               for b in budgets}
@@ -455,9 +459,40 @@ def build_report(a: argparse.Namespace, arms: list[str], phases: list[dict], bud
               "budgets": budgets, "experiment": a.experiment, "machine": _machine(), "task_ids": task_ids}
     if labels:
         report["task_required_turns"] = labels
+    seed_level_intervals(arms_out)
     report.update({"base": base_out, "arms": arms_out, "comparisons": arm_comparisons(arms_out, labels),
-                   "wall_time_s": wall, "runs": [{k: v for k, v in r.items() if k != "final_eval"} for r in runs]})
+                   "wall_time_s": wall, "runs": [{k: v for k, v in r.items() if k != "final_eval"} for r in runs],
+                   "collapse_rule": COLLAPSE_RULE})
     return report
+
+
+def run_health(rs: list[dict[str, Any]], per_seed: list[list[float]], base_s: list[float],
+               labels: list[int | None] | None) -> list[dict[str, Any]]:
+    """Per run (seed) of an arm: whether it collapsed (``core.study.collapse_check`` on its train success and
+    entropy per step), its horizon use per phase (turns used / limit, episodes ending at the limit, repeated
+    actions), and its retention of what the starting model solved (overall and per required-turns bucket)."""
+    out = []
+    for r, final in zip(rs, per_seed):
+        recs = sorted(r.get("step_records") or [], key=lambda x: int(x["global_step"]))
+        succ = [float(x["success_rate"]) for x in recs if finite_number(x.get("success_rate")) is not None]
+        ent = [float(x["train/entropy"]) for x in recs if finite_number(x.get("train/entropy")) is not None]
+        phases = phase_means(recs, ("diag/turns_used_frac", "diag/turn_limit_frac", "diag/repeated_action_rate"))
+        out.append({"seed": r.get("seed"), "run": r.get("run_name"), **collapse_check(succ, ent),
+                    "horizon": phases, "retention": retention(base_s, final, labels)})
+    return out
+
+
+def seed_level_intervals(arms_out: dict[str, Any]) -> None:
+    """Each arm's pooled held-out success gets ``ci95_seed_task``: the interval of a bootstrap over seeds and tasks
+    (``core.stats.seed_task_bootstrap``), beside the Wilson interval over all episodes (``ci95``), which counts
+    seeds x tasks as independent episodes and so leaves the seed-to-seed variation out."""
+    from core.stats import seed_task_bootstrap
+
+    for r in arms_out.values():
+        rows = r.get("per_seed_per_task")
+        if rows:
+            _, lo, hi = seed_task_bootstrap(rows)
+            r["ci95_seed_task"] = [lo, hi]
 
 
 def _paired(x: list[float], y: list[float]) -> dict[str, Any]:
@@ -476,8 +511,14 @@ def arm_comparisons(arms_out: dict[str, Any], labels: list[int | None] | None = 
     from core.study import bucket_indices
 
     out = {}
+    from core.stats import seed_task_bootstrap
+
     for x, y in comparison_pairs(arms_out):
         entry = _paired(arms_out[x]["pooled_per_task"], arms_out[y]["pooled_per_task"])
+        sx, sy = arms_out[x].get("per_seed_per_task"), arms_out[y].get("per_seed_per_task")
+        if sx and sy and len(sx) == len(sy):  # the same seeds, in order: paired by seed and by task
+            _, lo, hi = seed_task_bootstrap([[a - b for a, b in zip(u, v)] for u, v in zip(sx, sy)])
+            entry["ci95_seed_task"] = [lo, hi]
         bx, by = arms_out[x].get("per_seed_per_task_by_budget"), arms_out[y].get("per_seed_per_task_by_budget")
         if bx and by:
             entry["budgets"] = {}
@@ -620,9 +661,14 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
         report["task_ids"] = first["task_ids"]
     if labels:
         report["task_required_turns"] = labels
+    for arm, out in arms_out.items():
+        health = [h for r in reports for h in r["arms"][arm].get("per_seed") or []]
+        if len(health) == len(out["per_seed_per_task"]):
+            out["per_seed"] = health
+    seed_level_intervals(arms_out)
     report.update({"base": base, "arms": arms_out, "comparisons": arm_comparisons(arms_out, labels),
                    "wall_time_s": sum(r["wall_time_s"] for r in reports),
-                   "runs": [x for r in reports for x in r["runs"]]})
+                   "runs": [x for r in reports for x in r["runs"]], "collapse_rule": COLLAPSE_RULE})
     return report
 
 
@@ -653,21 +699,26 @@ def table(report: dict[str, Any]) -> str:
     lines = [f"learning study: {report['env']}, preset {report['preset']}, {report['seeds']} seed(s), "
              f"held-out n={report['eval_n']} at {big} turns (greedy); {report['machine']}",
              f"starting model: {describe_start(report.get('start_model'))}",
-             f"{'arm':<20}{'limits':<12}{'held-out':>10}{'95% CI':>16}{'vs base p (per seed)':>22}{'steps':>7}"
-             f"{'tokens':>10}{'step s':>8}{'wall s':>9}",
-             f"{'base model':<20}{'-':<12}{report['base']['heldout_success']:>10.3f}"
+             "(95% CI: seeds x tasks = a bootstrap over seeds and tasks, with the seed-to-seed variation; episodes = "
+             "Wilson over all seeds' episodes as if independent)",
+             f"{'arm':<20}{'limits':<12}{'held-out':>10}{'CI seeds x tasks':>18}{'CI episodes':>16}"
+             f"{'vs base p (per seed)':>22}{'steps':>7}{'tokens':>10}{'step s':>8}{'wall s':>9}",
+             f"{'base model':<20}{'-':<12}{report['base']['heldout_success']:>10.3f}{'-':>18}"
              f"{'[%.3f, %.3f]' % tuple(report['base']['ci95']):>16}{'':>22}{0:>7}{'-':>10}{'-':>8}{'-':>9}"]
     for arm, r in report["arms"].items():
         ps = ",".join(f"{p:.2g}" for p in r["vs_base_mcnemar_p"])
-        lines.append(f"{arm:<20}{'>'.join(map(str, r['turn_limits'])):<12}{r['heldout_success']:>10.3f}"
+        st = "[%.3f, %.3f]" % tuple(r["ci95_seed_task"]) if r.get("ci95_seed_task") else "-"
+        lines.append(f"{arm:<20}{'>'.join(map(str, r['turn_limits'])):<12}{r['heldout_success']:>10.3f}{st:>18}"
                      f"{'[%.3f, %.3f]' % tuple(r['ci95']):>16}{ps:>22}{r['steps']:>7}"
                      f"{r['generated_tokens']:>10.0f}{r['step_time_s']:>8.0f}{r['wall_time_s']:>9.0f}")
     extra = [f"{arm}: {', '.join(r['overrides'])}" for arm, r in report["arms"].items() if r.get("overrides")]
     if extra:
         lines.append("arm overrides: " + "; ".join(extra))
     for name, c in report["comparisons"].items():
-        lines.append(f"{name}: {c['diff']:+.3f} [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}], "
-                     f"paired bootstrap p = {c['p_value']:.3g}")
+        st = (f"; seeds x tasks [{c['ci95_seed_task'][0]:+.3f}, {c['ci95_seed_task'][1]:+.3f}]"
+              if c.get("ci95_seed_task") else "")
+        lines.append(f"{name}: {c['diff']:+.3f} [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}] (tasks), "
+                     f"paired bootstrap p = {c['p_value']:.3g}{st}")
         for b, e in sorted((c.get("budgets") or {}).items(), key=lambda kv: -int(kv[0])):
             parts = ([f"all {_diff(e)}"] if int(b) != big else []) + [
                 f"{k} {_diff(x)}" for k, x in (e.get("buckets") or {}).items()]
@@ -687,6 +738,17 @@ def table(report: dict[str, Any]) -> str:
                 (arm, r.get("buckets", {}).get(str(b), {})) for arm, r in report["arms"].items()]
             for name, cells in rows:
                 lines.append(f"{name:<20}" + "".join(f"{_rate(cells.get(k)):>18}" for k in sizes))
+    if any(r.get("per_seed") for r in report["arms"].values()):
+        lines.append(f"per run: collapse ({report.get('collapse_rule', COLLAPSE_RULE)}); turns used / limit per "
+                     "phase; retention = share of the tasks the starting model solved that the run still solves")
+        for arm, r in report["arms"].items():
+            for h in r.get("per_seed") or []:
+                used = " ".join(f"{v.get('diag/turns_used_frac', float('nan')):.2f}" for v in h["horizon"].values())
+                rep = " ".join(f"{v.get('diag/repeated_action_rate', float('nan')):.2f}"
+                               for v in h["horizon"].values())
+                ret = " ".join(f"{k} {'-' if v is None else f'{v:.2f}'}" for k, v in h["retention"].items())
+                lines.append(f"  {arm:<20} seed {h['seed']}: {'COLLAPSED' if h['collapsed'] else 'no collapse'}; "
+                             f"used {used}; repeat {rep}; retention {ret}")
     if any(r.get("diagnostics") for r in report["arms"].values()):
         lines.append("stability diagnostics per phase (mean over the phase's steps and the seeds; train = train "
                      "success):")

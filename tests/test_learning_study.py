@@ -358,3 +358,29 @@ def test_learning_study_multistep_toy(tmp_path, toy_policy):
     # a second invocation resumes: nothing is trained or scored again
     p2 = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert p2.returncode == 0 and "training study-" not in p2.stdout and "evaluating " not in p2.stdout
+
+
+def test_report_gives_seed_level_intervals_and_per_run_health():
+    """Beside the per-episode Wilson interval, each arm's pooled success and each paired difference get a bootstrap
+    over seeds and tasks; each run gets its collapse verdict (too short here to tell), horizon use per phase and
+    retention of what the base solved (base solves tasks 3 and 7: scalinginter seed 0 keeps both, seed 1 neither)."""
+    from core.stats import seed_task_bootstrap
+
+    rep = _report([0, 1])
+    si = rep["arms"]["scalinginter"]
+    rows = [FINAL["scalinginter"][s][4] for s in (0, 1)]
+    assert si["ci95_seed_task"] == list(seed_task_bootstrap(rows)[1:])
+    c = rep["comparisons"]["scalinginter - fixed-long"]
+    diffs = [[a - b for a, b in zip(FINAL["scalinginter"][s][4], FINAL["fixed-long"][s][4])] for s in (0, 1)]
+    assert c["ci95_seed_task"] == list(seed_task_bootstrap(diffs)[1:])
+    h0, h1 = si["per_seed"]
+    assert (h0["seed"], h1["seed"]) == (0, 1) and not h0["collapsed"] and h0["final_success"] is None
+    assert h0["horizon"] == {"phase-1": {"diag/turn_limit_frac": 1.0}, "phase-2": {"diag/turn_limit_frac": 0.5}}
+    assert h0["retention"]["all"] == 1.0 and h1["retention"]["all"] == 0.0 and h0["retention"]["2-3"] == 1.0
+    assert "collapse_rule" in rep
+    ls = _bench()
+    text = ls.table(rep)
+    assert "CI seeds x tasks" in text and "no collapse" in text and "retention all 1.00" in text
+    merged = ls.merge_reports([_report([0]), _report([1])])
+    assert merged["arms"]["scalinginter"]["ci95_seed_task"] == si["ci95_seed_task"]
+    assert [h["seed"] for h in merged["arms"]["scalinginter"]["per_seed"]] == [0, 1]

@@ -255,3 +255,30 @@ def test_mean_of_dicts_weights_and_missing_values():
     assert list(got) == ["phase-1", "phase-2", "phase-3"]
     assert mean_of_dicts([({"p": {"x": 1.0}}, 1.0), ({"p": {"x": 2.0}}, 1.0)]) == {"p": {"x": 1.5}}
     assert mean_of_dicts([]) == {}
+
+
+def test_collapse_rule_needs_success_to_fall_and_entropy_to_move():
+    from core.study import collapse_check
+
+    up = [0.1, 0.2, 0.2, 0.3, 0.3, 0.4]
+    assert not collapse_check(up, [0.2] * 6)["collapsed"]
+    fell = [0.3, 0.4, 0.5, 0.4, 0.1, 0.0, 0.0, 0.0]  # best 3-step mean 0.433, last 0.0
+    c = collapse_check(fell, [0.14, 0.13, 0.13, 0.10, 0.08, 0.06, 0.05, 0.05])
+    assert c["collapsed"] and c["final_success"] == 0.0 and abs(c["best_success"] - 1.3 / 3) < 1e-12
+    assert abs(c["entropy_ratio"] - (0.16 / 3) / (0.40 / 3)) < 1e-12
+    assert not collapse_check(fell, [0.13] * 8)["collapsed"]  # success fell, entropy steady: not this rule
+    assert collapse_check(fell, [0.1, 0.1, 0.1, 0.2, 0.3, 0.3, 0.3, 0.3])["collapsed"]  # entropy tripled
+    assert not collapse_check([0.02, 0.0, 0.0, 0.0, 0.0, 0.0], [0.2] * 3 + [0.05] * 3)["collapsed"]  # never had any
+    assert collapse_check([0.5] * 5, [0.1] * 5) == {"collapsed": False, "final_success": None, "best_success": None,
+                                                   "entropy_ratio": None}  # too short to tell
+
+
+def test_retention_counts_what_the_start_solved():
+    from core.study import retention
+
+    base = [1, 1, 0, 1, 0, 1]
+    final = [1, 0, 1, 1, 0, 0]
+    labels = [1, 1, 2, 5, 8, 9]
+    r = retention(base, final, labels)
+    assert r["all"] == 2 / 4 and r["1"] == 1 / 2 and r["2-3"] is None and r["4-6"] == 1.0 and r["7+"] == 0.0
+    assert retention(base, final) == {"all": 0.5}
