@@ -73,7 +73,7 @@ class ModelConfig(_Strict):
     bf16_autocast: bool | None = Field(
         None, description="bf16 autocast over fp32 master weights (learner and transformers generation). None: on "
                           "where the hardware has native bf16 (AMX / AVX512-BF16 CPU, bf16 GPU), off elsewhere "
-                          "(emulated bf16 on an AVX2 CPU is ~40x slower than fp32).")
+                          "(emulated bf16 on a CPU without native bf16 is far slower than fp32).")
     threads: int | None = Field(None, ge=1, description="torch CPU threads (default: all cores).")
     device: str = Field("auto", description="Where the learner, critic, reference model and transformers "
                                             "generation run: auto (the CUDA GPU when torch sees one, else the CPU), "
@@ -125,37 +125,36 @@ class CurriculumConfig(_Strict):
 
 class RolloutConfig(_Strict):
     backend: Literal["transformers", "vllm"] = Field(
-        "vllm", description="Generation backend: vllm (one engine kept for the whole run, ~20-30 s to start once; weights synced "
-                            "after each update; ~8x transformers' tok/s at 32 episodes on CPU) or transformers "
+        "vllm", description="Generation backend: vllm (one engine kept for the whole run and started once; weights "
+                            "synced after each update; continuous batching, faster on batches of episodes) or transformers "
                             "(shares the learner's model; no start cost, for very short runs).")
     vllm_dtype: Literal["bfloat16", "float32", "float16", "auto"] | None = Field(
         None, description="vLLM weights dtype. None: bfloat16 where the hardware has native bf16, else float32.")
-    vllm_enforce_eager: bool = Field(True, description="vLLM: skip graph compilation (starts in ~15 s instead of "
-                                                       "60-90 s on CPU, ~10 % slower generation).")
+    vllm_enforce_eager: bool = Field(True, description="vLLM: skip graph compilation (a much faster engine start, "
+                                                       "somewhat slower generation).")
     vllm_kv_cache_gb: float | None = Field(
-        None, gt=0, description="vLLM CPU KV cache, a fixed size (GiB, fractions allowed; fp32 SmolLM2-135M needs "
-                                "~46 KB per token, bf16 ~23 KB). None: sized from the batch (episodes x "
+        None, gt=0, description="vLLM CPU KV cache, a fixed size (GiB, fractions allowed; the bytes per token "
+                                "follow from the model's layers, KV heads and dtype). None: sized from the batch (episodes x "
                                 "token_budget x bytes per token) within vllm_kv_budget_gb.")
     vllm_kv_budget_gb: float = Field(
         1.0, gt=0, description="vLLM CPU: the most memory (GiB) the KV cache sized from the batch may take; when "
                                "the batch needs more, live episodes are capped to what fits (a warning says so). "
                                "The cache is resident whole once the engine starts (and after each update only as "
-                               "far as rollouts fill it again: vllm_release_kv). 1 GiB holds 29 episodes of 1,536 "
-                               "tokens in bf16 (SmolLM2-135M): on 2 CPU cores more live episodes generate no faster "
-                               "(the smoke demo with 17 was 4 % faster than with 60).")
+                               "far as rollouts fill it again: vllm_release_kv). On a few CPU cores more live "
+                               "episodes do not generate faster (docs: concepts/rollout).")
     vllm_in_process: bool | None = Field(
         None, description="vLLM: run the engine core and its worker inside the trainer's process (no engine or "
-                          "worker process: ~1 GiB less memory on the smoke run, a faster engine start) instead of "
+                          "worker process: less memory, a faster engine start) instead of "
                           "child processes. Needs the torch learner (the worker sets up its own torch.distributed "
                           "group). None: in-process on the CPU build with the torch learner, else child processes.")
     vllm_release_kv: bool = Field(
         True, description="vLLM CPU build: the KV cache's memory goes back to the OS while the learner updates and "
                           "comes back zeroed after the weight sync, resident again page by page as rollouts fill it "
-                          "(the CPU build has no sleep mode; 1 GiB less resident during the update at the default "
-                          "budget). Ignored on GPUs (see vllm_sleep).")
+                          "(the CPU build has no sleep mode; the whole KV budget less resident during the update). "
+                          "Ignored on GPUs (see vllm_sleep).")
     vllm_release_weights: bool = Field(
         True, description="vLLM CPU build, with vllm_release_kv: the packed weight copies the engine's linear layers "
-                          "run on are dropped too while the learner updates (0.25 GiB for SmolLM2-135M in bf16); the "
+                          "run on are dropped too while the learner updates (2 bytes per parameter in bf16); the "
                           "weight sync after the update rebuilds them, as every sync does.")
     gpu_memory_utilization: float = Field(
         0.3, gt=0, le=1, description="vLLM on a GPU: the fraction of each GPU's memory the engine may take (weights, "
@@ -255,13 +254,12 @@ class AlgoConfig(_Strict):
     lr: float = Field(1e-6, ge=0, description="AdamW learning rate of the policy.")
     weight_decay: float = Field(0.0, ge=0)
     optimizer: Literal["adamw", "adamw8bit"] = Field(
-        "adamw", description="The policy's optimizer: adamw (torch, fp32 moments: 8 bytes per parameter, 1 GiB for "
-                             "SmolLM2-135M) or adamw8bit (bitsandbytes' block-wise 8-bit AdamW: 2 bytes per "
-                             "parameter, 0.25 GiB; its optimizer step is ~1 s slower on 2 CPU cores; the torch learner "
-                             "only).")
+        "adamw", description="The policy's optimizer: adamw (torch, fp32 moments: 8 bytes per parameter) or "
+                             "adamw8bit (bitsandbytes' block-wise 8-bit AdamW: 2 bytes per parameter, a slower "
+                             "optimizer step on the CPU; the torch learner only).")
     grad_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="How the policy's gradients are held between the backward and the optimizer step: fp32 "
-                            "(4 bytes per parameter) or bf16 (2 bytes, 0.25 GiB less for SmolLM2-135M: each "
+                            "(4 bytes per parameter) or bf16 (2 bytes: each "
                             "backward's gradient goes into a bf16 buffer as soon as it is written, and the step takes "
                             "them back to fp32 one parameter at a time; a bf16-autocast matmul's weight gradient is a "
                             "bf16 value already, the sum over micro-batches rounds). The torch learner only.")
@@ -287,9 +285,8 @@ class AlgoConfig(_Strict):
     micro_batch_size: int = Field(4, ge=1, description="Sequences per forward/backward pass.")
     micro_batch_tokens: int | None = Field(
         2048, ge=1, description="At most this many padded tokens (sequences x the longest) per forward/backward "
-                                "pass, fewer sequences when they are long: bounds the learner's activation memory "
-                                "(SmolLM2-135M update peak RSS 10.9 / 7.7 / 4.5 GB at 8192 / 4096 / 2048 padded "
-                                "tokens, same time: bench/bench_learner_memory.py). None: micro_batch_size alone.")
+                                "pass, fewer sequences when they are long: bounds the learner's activation memory at "
+                                "about the same time per token (docs: concepts/learner). None: micro_batch_size alone.")
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per epoch (the batch is split).")
     ppo_epochs: int = Field(1, ge=1, description="Passes over the batch per training step.")
     share_prefix: bool = Field(True, description="The samples of a group run their common prompt through the "
@@ -304,11 +301,9 @@ class AlgoConfig(_Strict):
                                 "evenly spaced lengths per doubling (8: ..., 64, 72, ..., 128, 144, ...: at most 1/8 "
                                 "padding, on the right; a shared prompt is cut down to a bucket, its last tokens run "
                                 "with each row): the same log-probs and gradients on few distinct matmul shapes. None: "
-                                "8 on the CPU, where every new shape left compiled oneDNN kernels and a more "
-                                "fragmented heap behind (held memory grew with each step's new lengths: learner "
-                                "alone, 5 updates, 1.63 -> 2.14 GiB exact, flat ~1.5 GiB bucketed), and 0 (exact "
-                                "lengths) on a GPU, where padding equal-length rows costs the maskless attention "
-                                "path (1.5B step on an H200: 32.5 s exact, 37.8 s padded).")
+                                "8 on the CPU, where every new shape leaves compiled oneDNN kernels and a more "
+                                "fragmented heap behind, and 0 (exact lengths) on a GPU, where padding equal-length "
+                                "rows costs the maskless attention path (docs: concepts/learner).")
     activation_checkpointing: int = Field(
         0, ge=0, description="N > 0: every N-th decoder layer of the policy keeps only its input and recomputes its "
                              "activations in the backward pass (less update memory, ~1/3 more update FLOPs at N=1; "

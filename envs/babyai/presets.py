@@ -3,35 +3,27 @@
 from typing import Any
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # The CPU demo (~13 min on 2 bf16-capable cores: 777 s measured with one engine and per-episode rollout):
-    # three phases with growing turn limits, 4 steps each.
-    # Tuned so the gain is real (measured on a 2-core AVX512-BF16 CPU, 96 held-out tasks, greedy, 4 turns):
-    # base 16/96 -> 59/96 after these 12 steps (45 tasks gained, 2 lost; McNemar p < 1e-10). The levers:
-    # lr 3e-5 (2e-6 barely moved a 135M model: 16 -> 20/96), no KL reference (kl_coef 0: one forward less per
-    # step, and the 135M policy must move far from its chatty prior), temperature 1.0 for exploration, and
-    # 24-token replies (an answer is "Action: go to red ball 1"; longer replies are rambling that the turn
-    # limit punishes anyway).
+    # The CPU demo: three phases with growing turn limits, 4 steps each, on three go-to levels. Its levers: lr 3e-5
+    # and no KL reference (a 135M policy must move far from its chatty prior; no reference forward), temperature 1.0
+    # for exploration, and 24-token replies (an answer is "Action: go to red ball 1"; longer replies are rambling
+    # the turn limit punishes anyway). What it measures: docs/results/smoke-demo.md.
     "smoke": {
         "env": {"options": {"levels": "GoToObj,GoToRedBallGrey,GoToLocal"}},
         "curriculum": {"phases": [{"turn_limit": 2, "steps": 4}, {"turn_limit": 3, "steps": 4},
                                   {"turn_limit": 4, "steps": 4}]},
         "rollout": {"tasks_per_step": 4, "samples_per_task": 4, "max_new_tokens": 24, "token_budget": 1536,
                     "temperature": 1.0},
-        # memory (bench/bench_memory.py --demo): bitsandbytes' 8-bit AdamW (0.25 GiB of optimizer state instead of
-        # 1 GiB; the same gain measured), a pair of sequences per forward only while each is <= 512 tokens, and
-        # forwards of >= 400 padded tokens (the episodes of phases 2 and 3, whose activations set the update's peak)
-        # recompute their activations in the backward pass (same gradients: tests/test_learning.py). 400 instead of
-        # 600: tree peak 5.22 -> 4.69 GiB, update 241 -> 263 s (bench/results/memory-demo-smoke-ab4-20261126.txt).
-        # Gradients held in bf16 (0.25 GiB less during the update; the same gain measured: README, issue 31).
+        # memory: bitsandbytes' 8-bit AdamW, a pair of sequences per forward only while each is <= 512 tokens,
+        # forwards of >= 400 padded tokens (the later phases' episodes, whose activations set the update's peak)
+        # recompute their activations in the backward pass (the same gradients: tests/test_learning.py), gradients
+        # held in bf16. Their figures: docs/results/memory.md and docs/results/smoke-demo.md.
         "algo": {"lr": 3e-5, "kl_coef": 0.0, "micro_batch_size": 2, "micro_batch_tokens": 1024,
                  "optimizer": "adamw8bit", "activation_checkpointing_min_tokens": 400, "grad_dtype": "bf16"},
         "eval": {"n": 96},
     },
     # The longer CPU run: the smoke recipe on five go-to levels, twice the episodes per step and 2.5 times the
-    # steps, turn limits 2 -> 4 -> 6, scored on 128 held-out tasks at 6 turns (greedy). Measured on 2 AVX512-BF16
-    # cores, idle machine: 24 min (1,424 s in the flow; update 60 %), base 22/128 = 0.172 [0.116, 0.247] ->
-    # 84/128 = 0.656 [0.570, 0.733] after 30 steps (3.8x the base; 63 tasks gained, 1 lost; McNemar p = 7e-18);
-    # bench/results/cpu-preset-babyai-20261124.txt.
+    # steps, turn limits 2 -> 4 -> 6, scored on 128 held-out tasks at 6 turns (greedy). What it measures:
+    # docs/results/cpu-preset.md.
     "cpu": {
         "env": {"options": {"levels": "GoToObj,GoToRedBallGrey,GoToRedBall,GoToLocal,GoToDoor"}},
         "curriculum": {"phases": [{"turn_limit": 2, "steps": 10}, {"turn_limit": 4, "steps": 10},
@@ -72,7 +64,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         "env": {"options": {"levels": "GoToObj"}},
         "curriculum": {"phases": [{"turn_limit": 1, "steps": 1}, {"turn_limit": 2, "steps": 1}]},
-        # transformers: a vLLM engine's ~20 s start per phase would dominate a run this short
+        # transformers: a vLLM engine's start would dominate a run this short
         "rollout": {"tasks_per_step": 2, "samples_per_task": 4, "max_new_tokens": 24, "token_budget": 768,
                     "backend": "transformers"},
         "algo": {"lr": 1e-5, "micro_batch_size": 2},
