@@ -97,9 +97,13 @@ def warm_eval(args, out: Path) -> list[dict[str, Any]]:
     path = out / "warm_eval.json"
     if not path.exists():
         print(f"scoring the warm start on {args.eval_n} held-out tasks at {args.turn_limit} turns", flush=True)
+        from flows.config import build_config
+
+        r = build_config("babyai", "multistep").rollout  # as the runs' own final evaluation generates
         _run(_cli() + ["eval", str(args.warm), "babyai", "--n", str(args.eval_n), "--turn-limit", str(args.turn_limit),
-                       "--max-new-tokens", "24", "--seed", "0", "--no-mlflow", "--json", str(path),
-                       "--set", f'env.options={{"levels": "{LEVELS}"}}', "--set", f"output_dir={out}"],
+                       "--max-new-tokens", str(r.max_new_tokens), "--seed", "0", "--no-mlflow", "--json", str(path),
+                       "--set", f'env.options={{"levels": "{LEVELS}"}}', "--set", f"output_dir={out}",
+                       "--set", f"rollout.token_budget={r.token_budget}"],
              out / "logs" / "warm_eval.log")
     return outcomes(json.loads(path.read_text()), args.turn_limit)
 
