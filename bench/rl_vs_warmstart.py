@@ -3,8 +3,8 @@
     python bench/rl_vs_warmstart.py --warm runs44/warm --arms recipe --seeds 3 --output-dir runs44
 
 Every arm trains from the same behaviour-cloning warm start (``--warm``: ``scalinginter warmstart``'s folder) with
-the ``multistep`` preset's levels and its 3 -> 6 -> 10 turn curriculum (``--phase-steps`` steps per phase, 4 tasks
-x 4 samples per step unless an arm says otherwise), then its final checkpoint is scored greedily on ``--eval-n``
+the preset's env options and turn limits (``--env``/``--preset``, default BabyAI ``multistep``: 3 -> 6 -> 10 turns;
+``--phase-steps`` steps per phase, 4 tasks x 4 samples per step unless an arm says otherwise), then its final checkpoint is scored greedily on ``--eval-n``
 held-out tasks at ``--turn-limit`` turns; the warm start is scored once on the same tasks. An arm is a list of
 ``--set`` overrides on top of those settings (``ARMS``; the ablation adds one lever at a time). Runs are
 ``scalinginter run`` subprocesses (logs under ``<output-dir>/logs``); re-running the command resumes: a finished run
@@ -16,7 +16,7 @@ the paired difference against the warm start with a 95 % interval from a bootstr
 (``core.stats.seed_task_bootstrap``) and, beside it, the per-task bootstrap of the pooled outcomes; each seed's
 gain and exact McNemar p; success by required-turns bucket (1, 2-3, 4-6, 7+); and per-phase means of the step
 diagnostics (zero-advantage groups, groups refilled, skipped updates, expert relabels, entropy, repeat rate, train
-success). ``rl-vs-warmstart-babyai-multistep-<date>.json`` holds, per arm, ``recipe`` (its settings),
+success). ``rl-vs-warmstart-<env>-<preset>-<date>.json`` holds, per arm, ``recipe`` (its settings),
 ``turn_limit`` and ``seeds``: per seed ``seed``, ``steps``, ``tokens``, ``wall_s``, and ``warm_start`` and
 ``final`` as per-task outcomes ``{"task", "required_turns", "success"}`` on the same tasks; a ``.md`` table and a
 PNG beside it.
@@ -42,7 +42,6 @@ from core.evalreport import BUCKETS  # noqa: E402
 from core.stats import bootstrap_ci, seed_task_bootstrap, wilson_interval  # noqa: E402
 from core.study import bucket_indices, paired_mcnemar  # noqa: E402
 
-LEVELS = "GoToLocal,PickupLoc,OpenTwoDoors,UnlockLocal,PutNextS4N1,UnlockPickup,KeyCorridorS3R1"
 # the earlier study's run shape: 3 -> 6 -> 10 turns, 4 tasks x 4 samples per step
 BASE = ["rollout.tasks_per_step=4"]
 
@@ -97,29 +96,34 @@ def warm_eval(args, out: Path) -> list[dict[str, Any]]:
     path = out / "warm_eval.json"
     if not path.exists():
         print(f"scoring the warm start on {args.eval_n} held-out tasks at {args.turn_limit} turns", flush=True)
-        from flows.config import build_config
-
-        r = build_config("babyai", "multistep").rollout  # as the runs' own final evaluation generates
-        _run(_cli() + ["eval", str(args.warm), "babyai", "--n", str(args.eval_n), "--turn-limit", str(args.turn_limit),
-                       "--max-new-tokens", str(r.max_new_tokens), "--seed", "0", "--no-mlflow", "--json", str(path),
-                       "--set", f'env.options={{"levels": "{LEVELS}"}}', "--set", f"output_dir={out}",
-                       "--set", f"rollout.token_budget={r.token_budget}"],
+        cfg = preset(args)  # as the runs' own final evaluation generates: the preset's env options and budgets
+        _run(_cli() + ["eval", str(args.warm), args.env, "--n", str(args.eval_n), "--turn-limit", str(args.turn_limit),
+                       "--max-new-tokens", str(cfg.rollout.max_new_tokens), "--seed", "0", "--no-mlflow", "--json",
+                       str(path), "--set", f"env.options={json.dumps(cfg.env.options)}", "--set", f"output_dir={out}",
+                       "--set", f"rollout.token_budget={cfg.rollout.token_budget}"],
              out / "logs" / "warm_eval.log")
     return outcomes(json.loads(path.read_text()), args.turn_limit)
+
+
+def preset(args):
+    from flows.config import build_config
+
+    return build_config(args.env, args.preset)
 
 
 def run_arm(args, out: Path, arm: str, seed: int) -> dict[str, Any]:
     name = f"{arm}-s{seed}"
     rd = out / name
     summary = rd / "summary.json"
-    phases = json.dumps([{"turn_limit": t, "steps": args.phase_steps} for t in (3, 6, 10)])
+    phases = json.dumps([{"turn_limit": p.turn_limit, "steps": args.phase_steps or p.steps}
+                         for p in preset(args).curriculum.phases])
     sets = BASE + [f"curriculum.phases={phases}", f"model.path={args.warm}", f"output_dir={out}", f"seed={seed}",
                    f"eval.n={args.eval_n}", f"eval.turn_limit={args.turn_limit}", "eval.before=false",
                    "tracking.log_trajectories=0"] + ARMS[arm] + list(args.set or [])
     wall = None
     if not summary.exists():
         print(f"training {name} ({', '.join(ARMS[arm]) or 'the preset as it is'})", flush=True)
-        cmd = _cli() + ["run", "babyai", "--preset", "multistep", "--run-name", name]
+        cmd = _cli() + ["run", args.env, "--preset", args.preset, "--run-name", name]
         for s in sets:
             cmd += ["--set", s]
         wall = _run(cmd, out / "logs" / f"{name}.log")
@@ -173,9 +177,9 @@ def arm_report(warm: list[dict[str, Any]], seeds: list[dict[str, Any]]) -> dict[
 
 
 def table(doc: dict[str, Any]) -> str:
-    lines = [f"# RL from the warm start, multi-step BabyAI ({doc['turn_limit']} turns, {doc['eval_n']} held-out tasks, "
-             f"greedy)", "", f"Machine: {doc['machine']}. Warm start: {doc['warm']}. Each arm: "
-             f"{doc['phase_steps']} steps per phase, 3 -> 6 -> 10 turns.", "",
+    lines = [f"# RL from the warm start, {doc['env']} `{doc['preset']}` ({doc['turn_limit']} turns, {doc['eval_n']} "
+             f"held-out tasks, greedy)", "", f"Machine: {doc['machine']}. Warm start: {doc['warm']}. Each arm: "
+             f"{doc['phase_steps'] or 'the preset’s'} steps per phase, the preset's turn limits.", "",
              "| arm | seeds | final (pooled) | gain over warm start [95 % CI, seeds x tasks] | [per-task CI] | "
              "per-seed gain | McNemar p | needs 1 / 2-3 / 4-6 / 7+ |", "|---|---|---|---|---|---|---|---|"]
     w = next(iter(doc["arms"].values()))["report"]["warm_start"] if doc["arms"] else None
@@ -191,7 +195,7 @@ def table(doc: dict[str, Any]) -> str:
             + ", ".join(f"{g:+.3f}" for g in r["per_seed_gain"]) + " | "
             + ", ".join(f"{p:.2g}" for p in r["per_seed_mcnemar_p"]) + " | "
             + " / ".join(f"{r['buckets'][k]['final']:.2f}" for k in BUCKETS if k in r["buckets"]) + " |")
-    lines += ["", "Settings per arm (on top of the `multistep` preset and 4 tasks x 4 samples per step):", ""]
+    lines += ["", f"Settings per arm (on top of the `{doc['preset']}` preset and 4 tasks x 4 samples per step):", ""]
     for arm, a in doc["arms"].items():
         lines.append(f"- `{arm}`: {' '.join(a['recipe']) or '(the preset: lr 3e-5, no KL)'}")
     lines += ["", "Diagnostics, mean per phase (seed 0 of each arm):", "",
@@ -264,9 +268,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--arms", default="recipe", help=f"comma-separated, from: {', '.join(ARMS)}")
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--first-seed", type=int, default=0)
-    ap.add_argument("--phase-steps", type=int, default=4, help="steps per phase (3 phases: 3, 6, 10 turns)")
-    ap.add_argument("--eval-n", type=int, default=140)
-    ap.add_argument("--turn-limit", type=int, default=10)
+    ap.add_argument("--env", default="babyai")
+    ap.add_argument("--preset", default="multistep", help="the env's preset: levels, curriculum's turn limits, rollout")
+    ap.add_argument("--phase-steps", type=int, default=4, help="steps per phase (0: the preset's)")
+    ap.add_argument("--eval-n", type=int, default=None, help="held-out tasks (default: the preset's eval.n)")
+    ap.add_argument("--turn-limit", type=int, default=None,
+                    help="the held-out budget (default: the preset's last phase's turn limit)")
     ap.add_argument("--output-dir", type=Path, default=Path("runs-rl-vs-warm"))
     ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "rl-vs-warmstart")
     ap.add_argument("--set", action="append", help="a config override for every arm (after the arm's own)")
@@ -280,11 +287,14 @@ def main(argv: list[str] | None = None) -> None:
     if not (args.warm / "config.json").exists():
         ap.error(f"--warm {args.warm} is not a model folder (no config.json): make it with scalinginter warmstart")
     args.warm = args.warm.resolve()
+    cfg = preset(args)
+    args.eval_n = args.eval_n or cfg.eval.n
+    args.turn_limit = args.turn_limit or cfg.curriculum.phases[-1].turn_limit
     out = args.output_dir.resolve()
     out.mkdir(parents=True, exist_ok=True)
     warm = warm_eval(args, out)
     print(f"warm start: {sum(o['success'] for o in warm)}/{len(warm)} at {args.turn_limit} turns", flush=True)
-    doc: dict[str, Any] = {"env": "babyai", "preset": "multistep", "turn_limit": args.turn_limit,
+    doc: dict[str, Any] = {"env": args.env, "preset": args.preset, "turn_limit": args.turn_limit,
                            "eval_n": args.eval_n, "phase_steps": args.phase_steps, "warm": str(args.warm),
                            "machine": machine(), "warm_start": warm, "arms": {}}
     for arm in arms:
@@ -303,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     if "recipe" in doc["arms"]:  # the chosen recipe's runs, at the top level as well
         doc.update({k: doc["arms"]["recipe"][k] for k in ("recipe", "turn_limit", "seeds")})
     args.results.mkdir(parents=True, exist_ok=True)
-    stem = args.results / f"rl-vs-warmstart-babyai-multistep-{time.strftime('%Y%m%d')}"
+    stem = args.results / f"rl-vs-warmstart-{args.env}-{args.preset}-{time.strftime('%Y%m%d')}"
     stem.with_suffix(".json").write_text(json.dumps(doc, indent=1))
     stem.with_suffix(".md").write_text(table(doc))
     if doc["arms"]:

@@ -1,0 +1,50 @@
+"""bench/rl_vs_warmstart.py's report from synthetic outcomes, by hand: the gain over the warm start, each seed's gain,
+the buckets, and the refusal of finals scored on other tasks."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _mod():
+    sys.path.insert(0, str(ROOT / "bench"))
+    import rl_vs_warmstart
+
+    return rl_vs_warmstart
+
+
+def _outs(successes, labels):
+    return [{"task": 100 + i, "required_turns": r, "success": s} for i, (s, r) in enumerate(zip(successes, labels))]
+
+
+def test_arm_report_by_hand():
+    m = _mod()
+    labels = [1, 1, 2, 5, 8, 9]
+    warm = _outs([1, 1, 0, 1, 0, 0], labels)  # 3/6
+    seeds = [{"seed": 0, "final": _outs([1, 1, 1, 1, 0, 0], labels)},   # +1/6
+             {"seed": 1, "final": _outs([1, 0, 1, 1, 1, 1], labels)}]   # +2/6
+    r = m.arm_report(warm, seeds)
+    assert r["warm_start"] == 0.5 and r["final"] == 9 / 12
+    assert r["per_seed_gain"] == pytest.approx([1 / 6, 2 / 6]) and r["gain"] == pytest.approx(0.25)
+    lo, hi = r["gain_ci_seed_task"]
+    assert lo <= 0.25 <= hi and r["gain_ci_task_only"][0] <= 0.25 <= r["gain_ci_task_only"][1]
+    assert r["buckets"]["1"] == {"tasks": 2, "warm_start": 1.0, "final": 0.75, "per_seed": [1.0, 0.5]}
+    assert r["buckets"]["7+"]["final"] == 0.5 and r["buckets"]["7+"]["warm_start"] == 0.0
+    assert r["per_seed_mcnemar_p"][0] == 1.0  # one discordant task: p = 1
+    seeds[1]["final"][0]["task"] = 999
+    with pytest.raises(SystemExit, match="other tasks"):
+        m.arm_report(warm, seeds)
+
+
+def test_outcomes_read_the_evaluation_document():
+    m = _mod()
+    doc = {"models": {"model": {"budgets": {"10": {"per_task": [
+        {"task_id": 7, "required_turns": 3, "successes": [True]},
+        {"task_id": 8, "successes": [False]}]}}}}}
+    assert m.outcomes(doc, 10) == [{"task": 7, "required_turns": 3, "success": 1},
+                                   {"task": 8, "required_turns": None, "success": 0}]
