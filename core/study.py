@@ -32,6 +32,13 @@ from core.stats import mcnemar_exact, wilson_interval
 ARMS = ("scalinginter", "fixed-short", "fixed-long", "scalinginter-gigpo")
 DEFAULT_ARMS = ("scalinginter", "fixed-short", "fixed-long")  # the study command's --arms default
 _OVERRIDES = {"scalinginter-gigpo": ("algo.estimator=gigpo",)}  # needs rollout.samples_per_task >= 2 (groups)
+ARM_HELP = {  # what each arm is, for the command's --help
+    "scalinginter": "the preset's curriculum as given: turn limits growing phase by phase (e.g. 3 -> 6 -> 10)",
+    "fixed-short": "every phase at the first phase's turn limit (same steps and episodes)",
+    "fixed-long": "every phase at the last phase's turn limit (same steps and episodes)",
+    "scalinginter-gigpo": "the ScalingInter curriculum trained with GiGPO (algo.estimator=gigpo: the episode "
+                          "advantage plus a step advantage among the group's turns from the same observation)",
+}
 
 
 def _check_arm(arm: str) -> None:

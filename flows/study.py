@@ -73,6 +73,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from core.study import (  # noqa: E402
+    ARM_HELP,
     ARMS,
     COLLAPSE_RULE,
     DEFAULT_ARMS,
@@ -218,7 +219,8 @@ def per_task_success(doc: dict[str, Any], budget: int, model: str = "model") -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="scalinginter study", description=__doc__,
+    epilog = "arms:\n" + "\n".join(f"  {arm:<20}{ARM_HELP[arm]}" for arm in ARMS)
+    ap = argparse.ArgumentParser(prog="scalinginter study", description=__doc__, epilog=epilog,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--env", default="babyai")
     ap.add_argument("--arms", default=",".join(DEFAULT_ARMS),

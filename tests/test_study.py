@@ -282,3 +282,18 @@ def test_retention_counts_what_the_start_solved():
     r = retention(base, final, labels)
     assert r["all"] == 2 / 4 and r["1"] == 1 / 2 and r["2-3"] is None and r["4-6"] == 1.0 and r["7+"] == 0.0
     assert retention(base, final) == {"all": 0.5}
+
+
+def test_every_arm_is_explained_in_the_commands_help():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from core.study import ARM_HELP, ARMS
+
+    assert set(ARM_HELP) == set(ARMS)
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "study", "--help"], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1], timeout=300)
+    assert out.returncode == 0 and "usage: scalinginter study" in out.stdout
+    for arm in ARMS:
+        assert f"  {arm} " in out.stdout
