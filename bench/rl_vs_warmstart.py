@@ -58,12 +58,13 @@ ARMS: dict[str, list[str]] = {
     "+fit": STOP_DRIFT + EXPERT + FIT,  # tasks whose expert needs at most the phase's turn limit
     "recipe": RECIPE,  # + dynamic sampling: one extra round refills groups without reward variance
     "+mask": RECIPE + ["algo.truncated=mask"],
+    "+groups": RECIPE + ["algo.expert_groups=true"],  # all-fail groups get the expert's episode of the task
     "+shape": RECIPE + ["algo.shaping_coef=0.1"],  # progress reward from the expert's remaining turns
     "+g8": RECIPE + ["rollout.tasks_per_step=2", "rollout.samples_per_task=8"],
     "+nostd": RECIPE + ["algo.normalize_std=false"],
     "filtered-bc": ["algo.estimator=filtered-bc"] + STOP_DRIFT + EXPERT + FIT,
 }
-DIAG = ("diag/zero_adv_group_frac", "dyn/first_round_zero_var_frac", "dyn/groups_dropped", "train/skipped",
+DIAG = ("diag/zero_adv_group_frac", "expert_groups", "dyn/first_round_zero_var_frac", "dyn/groups_dropped", "train/skipped",
         "train/expert_samples", "train/expert_nll", "train/entropy", "train/kl", "diag/repeated_action_rate",
         "diag/invalid_action_rate", "diag/turns_used_frac", "success_rate", "step_time_s")
 

@@ -247,6 +247,12 @@ class AlgoConfig(_Strict):
     expert_decay: Literal["none", "linear"] = Field(
         "none", description="How expert_coef changes over the run: none (constant) or linear (expert_coef x (1 - "
                             "global step / total steps)).")
+    expert_groups: bool = Field(
+        False, description="A group in which every live sample failed gets the env expert's own episode of the task "
+                           "(at the step's turn limit, when the expert succeeds within it) as one more member: the "
+                           "group then has signal, the expert's replies a positive advantage. Those tokens were not "
+                           "sampled, so their ratio is taken against the learner's own log-probs (1 at the first "
+                           "optimizer step; clipped in later epochs). Needs the env's scripted expert.")
     expert_turns: int = Field(
         1, ge=1, description="Relabelled states per episode for the expert term: the first this many turns whose "
                              "reply differs from the expert's, earliest first (each is one extra learner sequence: "
@@ -332,6 +338,9 @@ class AlgoConfig(_Strict):
             raise ValueError(f"algo.gamma does nothing for {self.estimator!r} (a sequence-level outcome "
                              "estimator): use ppo, reinforce++ or gigpo (or grpo with algo.discount=turn), or leave "
                              "algo.gamma at 1.0")
+        if self.expert_groups and self.estimator not in ("grpo", "rloo", "gigpo"):
+            raise ValueError(f"algo.expert_groups completes groups of a group-relative estimator (grpo, rloo, gigpo), "
+                             f"not {self.estimator!r}: drop algo.expert_groups or change algo.estimator")
         if self.expert_coef == 0 and (self.expert_decay != "none" or self.expert_turns != 1):
             raise ValueError("algo.expert_decay / algo.expert_turns shape the expert term, which is off "
                              "(algo.expert_coef=0): set algo.expert_coef > 0 or drop them")
@@ -452,9 +461,9 @@ class RunConfig(_Strict):
         if ln.engine == "deepspeed" and self.algo.optimizer != "adamw":
             raise ValueError(f"algo.optimizer={self.algo.optimizer} is the torch learner's: DeepSpeed builds its own "
                              "AdamW (set algo.optimizer=adamw, or learner.engine=torch)")
-        if ln.engine == "deepspeed" and self.algo.expert_coef > 0:
-            raise ValueError("algo.expert_coef's relabelled samples are trained by the torch learner: set "
-                             "learner.engine=torch, or algo.expert_coef=0")
+        if ln.engine == "deepspeed" and (self.algo.expert_coef > 0 or self.algo.expert_groups):
+            raise ValueError("algo.expert_coef's relabels and algo.expert_groups' episodes are trained by the torch "
+                             "learner: set learner.engine=torch, or turn them off")
         if self.rollout.dynamic_sampling_rounds and self.algo.estimator not in ("grpo", "rloo", "gigpo"):
             raise ValueError(f"rollout.dynamic_sampling_rounds drops groups without reward variance, which only "
                              f"matters to a group-relative estimator (grpo, rloo, gigpo), not {self.algo.estimator!r}: "

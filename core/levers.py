@@ -56,6 +56,13 @@ def keep_groups(rounds: Sequence[Sequence[bool]], wanted: int) -> list[tuple[int
     return out
 
 
+def all_failed(successes: Sequence[bool], masked: Sequence[bool] | None = None) -> bool:
+    """True when a group has live samples and none of them succeeded (expert_groups completes such a group)."""
+    masked = list(masked) if masked is not None else [False] * len(successes)
+    live = [bool(x) for x, m in zip(successes, masked) if not m]
+    return bool(live) and not any(live)
+
+
 def mask_truncated(advantages: Sequence[Sequence[float]], finish_reasons: Sequence[str]) -> list[list[float]]:
     """The advantages with every row of a truncated episode (turn limit, token budget) set to 0: no policy-gradient
     term for it, whatever its group said."""

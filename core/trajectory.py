@@ -50,6 +50,7 @@ class Trajectory:
     # the turns the env's expert needs from each state (entry 0: after reset, entry k: after turn k), where the env
     # reports it (BabyAI's label_remaining); progress-reward shaping's potential
     expert_remaining: list[int | None] | None = None
+    expert_demo: bool = False  # the env expert's episode put into a group (algo.expert_groups), not sampled
     category: str | None = None  # the env's task category (per-category eval scores)
     required_turns: int | None = None  # the fewest turns the env's expert needs (results by horizon)
     episode_metrics: dict[str, float] | None = None  # numbers the env reports besides the reward (SciWorld's score)
@@ -173,7 +174,8 @@ def turn_samples(trajs: list[Trajectory]) -> tuple[list[Trajectory], list[tuple[
                            prompt_len=next((p - a for p in range(a, b) if t.loss_mask[p]), b - a),
                            action_ends=[t.action_ends[j] - a for j in k],
                            turn_rewards=[t.turn_rewards[j] for j in k], success=t.success,
-                           finish_reason=t.finish_reason, masked=t.masked, error=t.error)
+                           finish_reason=t.finish_reason, masked=t.masked, error=t.error,
+                           expert_demo=t.expert_demo)
             samples.append(s)
             where.append((i, a, b))
     return samples, where

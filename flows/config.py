@@ -35,13 +35,14 @@ def check_env_levers(cfg: RunConfig) -> None:
     if cfg.algo.shaping_coef > 0 and cfg.env.name not in SHAPING_ENVS:
         raise ConfigError(f"algo.shaping_coef needs an env that reports its expert's remaining turns "
                           f"({', '.join(SHAPING_ENVS)}), not {cfg.env.name!r}: set algo.shaping_coef=0")
-    if cfg.algo.expert_coef > 0:
+    if cfg.algo.expert_coef > 0 or cfg.algo.expert_groups:
         import tasks.demos
 
         try:
             tasks.demos.expert_for(cfg.env.name)
         except tasks.demos.DemoError as e:
-            raise ConfigError(f"{e}; algo.expert_coef needs one: set algo.expert_coef=0") from None
+            raise ConfigError(f"{e}; algo.expert_coef and algo.expert_groups need one: set algo.expert_coef=0 and "
+                              "algo.expert_groups=false") from None
 
 
 __all__ = ["ConfigError", "build_config"]

@@ -334,8 +334,12 @@ def rollout_batch(key: str, urls: list[str], global_step: int, turn_limit: int) 
         tasks = (_fitting_tasks(s, urls, global_step, k, turn_limit) if r.task_filter == "fits_turns"
                  else train_tasks_for_step(s.cfg, global_step, k))
         label = f"step {global_step + 1}" + (f" round {k + 1}" if k else "")
-        return _rollout(s, urls, tasks, r.samples_per_task, turn_limit, r.temperature, r.max_new_tokens, label,
-                        seed=round_seed(step_seed(s.cfg.seed, global_step), k), after_turn=after_turn, expert=expert)
+        trajs, m = _rollout(s, urls, tasks, r.samples_per_task, turn_limit, r.temperature, r.max_new_tokens, label,
+                            seed=round_seed(step_seed(s.cfg.seed, global_step), k), after_turn=after_turn,
+                            expert=expert)
+        if s.cfg.algo.expert_groups:  # all-fail groups get the expert's own episode of their task
+            trajs, m["expert_groups"] = with_expert_episodes(s, urls, trajs, turn_limit)
+        return trajs, m
 
     trajs, metrics = one_round(0)
     if r.dynamic_sampling_rounds:  # drop groups without reward variance, refill with fresh tasks (DAPO)
@@ -345,11 +349,11 @@ def rollout_batch(key: str, urls: list[str], global_step: int, turn_limit: int) 
             rounds.append(more)
             flags.append(_variance_flags(more, group_has_variance))
             for k in ("rollout_time_s", "generated_tokens", "retried_episodes", "recovered_episodes",
-                      "env_servers_replaced"):
+                      "env_servers_replaced", "expert_groups"):
                 metrics[k] = metrics.get(k, 0.0) + m.get(k, 0.0)
         kept = keep_groups(flags, r.tasks_per_step)
         everything = [t for rnd in rounds for t in rnd]
-        metrics.update({k: v for k, v in episode_metrics(everything).items()})  # what the policy did this step
+        metrics.update(episode_metrics([t for t in everything if not t.expert_demo]))  # what the policy did
         metrics["dyn/rounds"] = float(len(rounds))
         metrics["dyn/groups_rolled"] = float(sum(len(f) for f in flags))
         metrics["dyn/groups_kept"] = float(len(kept))
@@ -367,6 +371,54 @@ def rollout_batch(key: str, urls: list[str], global_step: int, turn_limit: int) 
         t.turn_limit = turn_limit
     metrics["max_turns_seen"] = float(max((t.turns for t in trajs), default=0))
     return Batch(trajs, metrics)
+
+
+def with_expert_episodes(s: Session, urls: list[str], trajs: list[Trajectory],
+                         turn_limit: int) -> tuple[list[Trajectory], float]:
+    """algo.expert_groups: every group whose live samples all failed gets the expert's episode of its task (run on
+    the step's env servers at ``turn_limit``, kept when it succeeds) as one more member, marked ``expert_demo``.
+    Returns the trajectories and how many groups got one."""
+    from core.levers import all_failed
+
+    groups: dict[int, list[Trajectory]] = {}
+    for t in trajs:
+        groups.setdefault(t.group_id, []).append(t)
+    failed = [g for g, ts in sorted(groups.items()) if all_failed([t.success for t in ts], [t.masked for t in ts])]
+    if not failed:
+        return trajs, 0.0
+    demos = _expert_episodes(s, urls, [groups[g][0].task_id for g in failed], turn_limit)
+    added = 0
+    for g, d in zip(failed, demos):
+        if d is None:
+            continue
+        d.group_id, d.expert_demo, d.turn_limit = g, True, turn_limit
+        trajs = trajs + [d]
+        added += 1
+    return trajs, float(added)
+
+
+def _expert_episodes(s: Session, urls: list[str], task_ids: list[int], turn_limit: int) -> list[Trajectory | None]:
+    """The env expert's episode of each task (None where it did not succeed within ``turn_limit``), through the run's
+    env servers and chat framing (``tasks.demos.collect_demos_async``)."""
+    from envs.agentgym import make_async_client
+    from envs.sessions import PooledEpisode, ServerSlots
+    from tasks.demos import collect_demos_async, expert_for
+
+    async def go():
+        clients = [make_async_client(s.cfg.env.dialect, u, s.cfg.env.name, s.cfg.env.request_timeout_s) for u in urls]
+        try:
+            caps, _ = await live_cap(clients, s.cfg.rollout.max_live_episodes)
+            slots = ServerSlots(clients, caps)
+            return await collect_demos_async(task_ids, lambda i: PooledEpisode(slots), expert_for(s.cfg.env.name),
+                                             s.chat, turn_limit, s.cfg.rollout.max_new_tokens,
+                                             s.cfg.rollout.token_budget)
+        finally:
+            for c in clients:
+                await c.aclose()
+
+    res = asyncio.run(go())
+    by_task = {t.task_id: t for t in res.trajectories}
+    return [by_task.pop(t, None) for t in task_ids]
 
 
 def _variance_flags(trajs: list[Trajectory], has_variance: Callable[..., bool]) -> list[bool]:

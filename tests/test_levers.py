@@ -423,3 +423,61 @@ def test_babyai_reports_the_experts_remaining_turns_and_the_run_shapes_with_them
     assert s.turn_rewards == pytest.approx([0.2, 1.1]) and t.turn_rewards == [0.0, 1.0]
     with pytest.raises(RuntimeError, match="label_remaining"):
         shaped([_traj(0, 0, 1.0, "success")], 0.1)
+
+
+def test_all_failed():
+    from core.levers import all_failed
+
+    assert all_failed([False, False]) and not all_failed([False, True])
+    assert all_failed([False, True], masked=[False, True])  # the success was masked: the live ones all failed
+    assert not all_failed([True], masked=[True]) and not all_failed([])
+
+
+def test_expert_episodes_complete_the_all_fail_groups_through_a_real_env_server():
+    """Group 0 failed everywhere, group 1 has a success: only group 0 gets the expert's episode of its task, run on
+    a real BabyAI env server through the rollout's framing (a success, marked expert_demo, loss mask 1 on replies)."""
+    from transformers import AutoTokenizer
+
+    import tasks.steps as T
+    from core.chat import ChatFormat
+    from core.config import RunConfig
+    from envs.spawn import spawn_env_server
+    from runtime.backends.model import resolve_model
+    from runtime.context import Runtime, Session
+
+    cfg = RunConfig.model_validate({"env": {"name": "babyai", "options": {"levels": "GoToLocal"}},
+                                    "rollout": {"backend": "transformers", "max_new_tokens": 24,
+                                                "token_budget": 1536},
+                                    "algo": {"expert_groups": True}})
+    tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
+    srv = spawn_env_server("babyai", cfg.env.options, runtime="process")
+    try:
+        with Runtime() as rt:
+            s = Session(cfg=cfg, tokenizer=tok, chat=ChatFormat.from_tokenizer(tok))
+            rt.add_session(s)
+            trajs = [_traj(11, 0, 0.0, "failure"), _traj(11, 0, 0.0, "turn_limit"),
+                     _traj(12, 1, 0.9, "success"), _traj(12, 1, 0.0, "failure")]
+            out, added = T.with_expert_episodes(s, [srv.url], trajs, 6)
+    finally:
+        srv.stop()
+    assert added == 1.0 and len(out) == 5 and out[:4] == trajs
+    d = out[4]
+    assert d.expert_demo and d.success and d.group_id == 0 and d.task_id == 11 and d.turn_limit == 6
+    assert d.num_policy_tokens > 0 and all(x == 0.0 for x in d.logprobs)
+    assert d.replies and all(r.startswith("Action: ") for r in d.replies)
+
+
+def test_an_expert_episode_stays_out_of_the_sampling_mismatch(tiny_model_dir):
+    """The engine never sampled an expert episode's tokens (log-probs 0 there): the update's rollout-vs-learner
+    mismatch is the same with it in the batch as without it."""
+    from runtime.backends.learner import LearnerConfig, TorchLearner
+
+    cfg = LearnerConfig(lr=1e-3, kl_coef=0.0, micro_batch_size=8, bf16_autocast=False, length_buckets=0)
+    trajs, advs = _fixed_batch(TorchLearner(tiny_model_dir, cfg).tokenizer, n=6)
+    a = TorchLearner(tiny_model_dir, cfg)
+    without = a.update(trajs[:5], advs[:5], prepared=a.prepare(trajs[:5]))
+    demo = trajs[5]
+    demo.expert_demo, demo.logprobs = True, [0.0] * len(demo.logprobs)
+    b = TorchLearner(tiny_model_dir, cfg)
+    with_demo = b.update(trajs, advs, prepared=b.prepare(trajs))
+    assert with_demo["logprob_mismatch"] == pytest.approx(without["logprob_mismatch"], rel=1e-5)

@@ -114,8 +114,13 @@ def live_indices(trajs: list[Trajectory]) -> list[int]:
 def logprob_mismatch(trajs: list[Trajectory], live: list[int], old: list[list[float]]) -> float:
     """Mean |rollout - learner| log-prob over the policy tokens of ``trajs[live]`` (``old``: the learner's rows)."""
     total, n = mismatch_sums(pad_rows([trajs[i].logprobs for i in live]), pad_rows(old),
-                             pad_rows([trajs[i].loss_mask for i in live]))
+                             pad_rows([sampled_mask(trajs[i]) for i in live]))
     return total / max(1, n)
+
+
+def sampled_mask(t: Trajectory) -> list[int]:
+    """The policy tokens the rollout engine sampled (an expert's episode put into a group was not: no mismatch)."""
+    return [0] * len(t.loss_mask) if t.expert_demo else t.loss_mask
 
 
 @dataclass
@@ -671,7 +676,8 @@ class TorchLearner:
                                      groups=[batch.traj(k).group_id for k in ks])
         if batch.own_old:
             old_t = logp.detach()
-            total, n = mismatch_sums(self._dev(pad_rows([batch.traj(k).logprobs for k in ks], T)), old_t, mask)
+            sampled = self._dev(pad_rows([sampled_mask(batch.traj(k)) for k in ks], T))
+            total, n = mismatch_sums(self._dev(pad_rows([batch.traj(k).logprobs for k in ks], T)), old_t, sampled)
             tally.mismatch_sum, tally.mismatch_n = tally.mismatch_sum + total, tally.mismatch_n + n
         else:
             old_t = self._dev(pad_rows([p.old[k] for k in ks], T))
