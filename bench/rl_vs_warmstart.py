@@ -43,7 +43,7 @@ from core.stats import bootstrap_ci, seed_task_bootstrap, wilson_interval  # noq
 from core.study import bucket_indices, paired_mcnemar  # noqa: E402
 
 # the earlier study's run shape: 3 -> 6 -> 10 turns, 4 tasks x 4 samples per step
-BASE = ["rollout.tasks_per_step=4"]
+BASE = ["rollout.tasks_per_step=4", "env.runtime=process"]  # env servers as local processes, whatever docker has
 
 # the levers, one at a time (each arm is the one before it plus one lever), then the baselines beside them
 STOP_DRIFT = ["algo.lr=2e-5", "algo.kl_coef=0.05", "algo.skip_no_signal=true"]
@@ -58,6 +58,8 @@ ARMS: dict[str, list[str]] = {
     "+fit": STOP_DRIFT + EXPERT + FIT,  # tasks whose expert needs at most the phase's turn limit
     "recipe": RECIPE,  # + dynamic sampling: one extra round refills groups without reward variance
     "+mask": RECIPE + ["algo.truncated=mask"],
+    # the expert term as the main signal: 3 relabelled states per episode at weight 3, no decay
+    "dagger": STOP_DRIFT + ["algo.expert_coef=3.0", "algo.expert_turns=3"] + FIT + DYN,
     "+groups": RECIPE + ["algo.expert_groups=true"],  # all-fail groups get the expert's episode of the task
     "+shape": RECIPE + ["algo.shaping_coef=0.1"],  # progress reward from the expert's remaining turns
     "+g8": RECIPE + ["rollout.tasks_per_step=2", "rollout.samples_per_task=8"],
