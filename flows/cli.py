@@ -25,7 +25,10 @@ app.add_typer(env_app, name="env")
 
 
 def _fail(msg: str, code: int = 2) -> None:
-    typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
+    """A refusal: one line on stderr (what is wrong and the fix), exit ``code``."""
+    from flows.refusal import one_line
+
+    typer.secho(f"error: {one_line(msg)}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code)
 
 
@@ -65,14 +68,15 @@ def run(
         typer.echo(f"dry run: {env}{' --preset ' + preset if preset else ''} would start")
         return
     from tasks.resume import check_run_resume
+    from flows.envcheck import check_env_servers
+    from flows.refusal import cli_refusals
     from flows.scalinginter import scalinginter
 
-    if cfg.run_name and not cfg.checkpoint.s3_block:  # (an S3 block's settings are applied inside the flow)
-        try:  # a resume the checkpoint's config refuses: one clear message here, not a flow traceback
-            check_run_resume(cfg)
-        except ConfigError as e:
-            _fail(str(e))
-    summary = scalinginter(config=cfg)
+    with cli_refusals():  # a refusal, here or inside the flows, is one line on stderr (the traceback: the run's log)
+        if cfg.run_name and not cfg.checkpoint.s3_block:  # (an S3 block's settings are applied inside the flow)
+            check_run_resume(cfg)  # a resume the checkpoint's config refuses: stopped before the flow starts
+        check_env_servers(cfg)  # env servers nobody answers, or refused ones: stopped before Prefect starts
+        summary = scalinginter(config=cfg)
     if summary is None:
         raise typer.Exit(1)
 
@@ -142,14 +146,16 @@ def eval_(
 
     import time as _time
 
+    from flows.refusal import cli_refusals
     from runtime.console import quiet_console, restore_console
 
     # engine and library chatter go to a file (named after the report), our progress lines stay on the console
     log_path = quiet_console(Path(cfg.output_dir) / "eval-logs" / _time.strftime("eval-%Y%m%d-%H%M%S"))
     try:
-        doc = evaluate(cfg, checkpoint, split=split, n=n, samples=samples, turn_limits=limits,
-                       temperature=temperature, seed=seed, compare_ref=compare_ref,
-                       env_options=cfg.env.options if given_options else None, max_new_tokens=max_new_tokens)
+        with cli_refusals(log_path):  # a refusal from inside the flows (a refused or failing env): one line
+            doc = evaluate(cfg, checkpoint, split=split, n=n, samples=samples, turn_limits=limits,
+                           temperature=temperature, seed=seed, compare_ref=compare_ref,
+                           env_options=cfg.env.options if given_options else None, max_new_tokens=max_new_tokens)
     except EvalInputError as e:
         _fail(str(e))
     except CheckpointCorrupted as e:  # a truncated or altered file: the manifest check names it
@@ -217,15 +223,14 @@ def warmstart(
         cfg = build_config(env, preset, list(set_))
     except ConfigError as e:
         _fail(str(e))
-    from tasks.demos import DemoError, expert_for
+    from flows.refusal import cli_refusals
+    from tasks.demos import expert_for
     from tasks.demos import warmstart as run_warmstart
 
-    try:
+    with cli_refusals():  # a warm start that cannot run (DemoError), a missing model: one line
         expert_for(env)  # before any model loads
         run_warmstart(cfg, demos, epochs, lr, out, batch_size=batch_size, turn_limit=turn_limit,
                       echo=lambda line: typer.echo(line))
-    except DemoError as e:
-        _fail(str(e))
 
 
 @env_app.command("serve")

@@ -56,6 +56,7 @@ and 7+ hold the labelled tasks, and an env that labels none leaves the key out.
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +138,27 @@ def evaluate_models(config: RunConfig, model_dirs: dict[str, str], task_ids: lis
               f"{','.join(map(str, turn_limits))} = {len(task_ids) * samples * len(turn_limits)} episodes")
         out[name] = T.score_sweep(config, d, task_ids, turn_limits, samples, temperature, max_new_tokens, seed,
                                   episodes_path if name == "model" else None)
+        check_scored(out[name], name, episodes_path if name == "model" else None)
     return out
+
+
+def check_scored(sweep: dict[str, Any], name: str, episodes_path: str | Path | None = None) -> None:
+    """An evaluation in which every episode was masked (an env failure each time) scores nothing: stop with the
+    reason the env gave (the episodes' errors, read from ``episodes_path`` when the sweep wrote them)."""
+    outcomes = sweep.get("outcomes") or []
+    if not outcomes or any(o.get("success") is not None for o in outcomes):
+        return
+    from flows.refusal import Refusal, masked_reason
+
+    errors: list[str] = []
+    if episodes_path is not None and Path(episodes_path).exists():
+        import pyarrow.parquet as pq
+
+        errors = [e for e in pq.read_table(episodes_path, columns=["error"]).column("error").to_pylist() if e]
+    which = "the model" if name == "model" else f"the {name} model"
+    raise Refusal(f"every one of the {len(outcomes)} evaluation episodes of {which} was masked by an env failure "
+                  f"({masked_reason(errors)}); fix the env server (env.url, or the spawned server's log) and start "
+                  "again")
 
 
 def evaluate(cfg: RunConfig, checkpoint_ref: str, split: str = "test", n: int = 64, samples: int = 1,
@@ -156,6 +177,9 @@ def evaluate(cfg: RunConfig, checkpoint_ref: str, split: str = "test", n: int = 
     check_ref(checkpoint_ref)
     if compare_ref is not None:
         check_ref(compare_ref, "--compare checkpoint")
+    from flows.envcheck import check_env_servers
+
+    check_env_servers(cfg)  # before a model loads: the env servers named answer (refusals are one line)
     max_new = int(max_new_tokens or cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens)
     model_dirs = _model_dirs(cfg, checkpoint_ref, compare_ref)
     trained, state = trained_config(model_dirs["model"])
@@ -177,9 +201,11 @@ def evaluate(cfg: RunConfig, checkpoint_ref: str, split: str = "test", n: int = 
     print(header)
     from runtime.context import Runtime
 
-    with Runtime.scope():  # one engine for both models; an enclosing run's Runtime keeps it up after this
+    with tempfile.TemporaryDirectory(prefix="eval-episodes-") as tmp, Runtime.scope():
+        # one engine for both models (an enclosing run's Runtime keeps it up after this); the first model's episodes
+        # are written (to a temporary file unless asked for) so an evaluation masked throughout can name the reason
         sweeps = evaluate_models(cfg, model_dirs, ids, turn_limits, samples, float(temperature), max_new, seed,
-                                 str(episodes_path) if episodes_path else None)
+                                 str(episodes_path or Path(tmp) / "episodes.parquet"))
 
     refs = {"model": checkpoint_ref, "compare": compare_ref}
     models = {name: (refs[name], _model_report(sw, ids, turn_limits, samples, confidence, seed))

@@ -29,6 +29,8 @@ from core.evalreport import BUCKETS, bucket_rates, compare_models, flat_metrics,
 from core.redact import redact_uri
 from core.walltime import format_breakdown
 from flows.config import build_config
+from flows.envcheck import check_env_servers
+from flows.refusal import check_not_all_masked, log_refusal
 from runtime.console import quiet_console, restore_console
 from runtime.context import Runtime
 from runtime.killpoint import kill_point
@@ -75,6 +77,7 @@ def _phase(config: RunConfig, phase: int, init_ref: str, parent_run_id: str | No
             limit = plan.limit_at(gstep)
             T.ensure_servers_alive(key)
             batch = T.rollout_batch(key, urls, gstep, limit)
+            check_not_all_masked(batch.trajectories, f"step {gstep + 1}'s")
             adv = T.compute_advantages(key, batch)
             upd = T.policy_update(key, batch, adv, gstep)
             rec.step(i, gstep, limit, batch, adv, upd, time.time() - t0)
@@ -168,7 +171,8 @@ def _cached_eval(cfg: RunConfig, path: Path, ref: str) -> dict[str, Any]:
     """The evaluation document of ``ref`` (written to ``path``; a resumed run reads it back)."""
     if path.exists():
         doc = json.loads(path.read_text())
-        if doc.get("schema") == EVAL_SCHEMA:  # an older run's flat metrics are scored again
+        # an older run's flat metrics, or a document without a scored episode, are evaluated again
+        if doc.get("schema") == EVAL_SCHEMA and "success_rate" in flat_metrics(doc):
             return doc
     doc = evaluate_model(cfg, ref, episodes_path=path.with_suffix(".parquet"))  # the viewer lists its episodes
     path.write_text(json.dumps(doc, indent=2))
@@ -237,12 +241,25 @@ def scalinginter(config: RunConfig | None = None, env: str = "babyai", preset: s
 
 def _run(cfg: RunConfig, rt: Runtime, owns: bool) -> dict[str, Any]:
     """The run's body, inside its Runtime (closed at the end when ``owns``, while the console is still quiet)."""
-    phases = cfg.curriculum.as_phases()
     rd = run_dir(cfg)
+    try:
+        return _run_body(cfg, rt, owns, rd)
+    except Exception as e:  # the traceback goes to the run's log; a refusal reaches the console as one line
+        log_refusal(e, rd / "engine.log")
+        raise
+
+
+def _run_body(cfg: RunConfig, rt: Runtime, owns: bool, rd: Path) -> dict[str, Any]:
+    phases = cfg.curriculum.as_phases()
     t_run = time.time()
     ledger = rt.new_ledger()
     check_run_resume(cfg)  # a reused run name with another training config stops here, before anything is written
     log_path = quiet_console(rd)  # engine / library chatter -> the run's engine.log
+    try:  # before any evaluation or training: the env servers the config names answer (and are not refused)
+        check_env_servers(cfg, record_dir=rd)
+    except BaseException:
+        restore_console()
+        raise
     write_run_config(rd, cfg)  # no URI secrets
     tracker = make_tracker(cfg)
     parent = tracker.start_run(cfg.run_name, params=recorded_config(cfg), tags={"scalinginter.env": cfg.env.name})

@@ -639,6 +639,44 @@ def test_goal_set_refusal_fails_the_rollout_at_once_and_concurrent_resets_share_
     assert resets[:545] == list(range(545)) and len(resets) == 545 + 3  # one learning for three episodes
 
 
+def test_a_held_out_evaluation_runs_against_a_shuffled_server(tmp_path):
+    """Over HTTP, as a run drives it: the run's check learns the server's goals (and writes the map to the run's
+    files), then the rollout plays the held-out tasks; each episode opens on the embedded env's held-out goal."""
+    import json
+    import random
+
+    from transformers import AutoTokenizer
+
+    from core.chat import ChatFormat
+    from flows.config import build_config
+    from flows.envcheck import GOAL_MAP_FILE, check_env_servers
+    from runtime.backends.model import resolve_model
+    from runtime.context import Session
+    from tasks.steps import _rollout
+    from tests.agentgym_replay import serve_app
+    from tests.test_async_rollout import FakeEngine
+
+    forget_goal_map()
+    order = list(textcraft_goals())
+    random.Random(11).shuffle(order)
+    tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
+    lines = []
+    with serve_app(textcraft_app(order)) as url:
+        cfg = build_config("textcraft", None, ["rollout.backend=transformers", "env.dialect=agentgym", f"env.url={url}",
+                                               "env.prompt=agentgym"])
+        check_env_servers(cfg, record_dir=tmp_path, echo=lines.append)
+        s = Session(cfg=cfg, backend=FakeEngine(tok, replies=("Thought: first the flower.\nAction: get 1 sunflower",)),
+                    chat=ChatFormat.from_tokenizer(tok, cfg.env.prompt))
+        trajs, m = _rollout(s, [url], [task_index("test", i) for i in range(6)], 1, 2, 0.0, 32, "eval")
+    test = textcraft_split()[1]
+    assert m["masked_episodes"] == 0 and len(trajs) == 6
+    assert [t.first_observation.rsplit("Goal: craft ", 1)[1] for t in trajs] == [f"{g}." for g in test[:6]]
+    assert len(lines) == 1 and "its 544 goals learned" in lines[0] and GOAL_MAP_FILE in lines[0]
+    rec = json.loads((tmp_path / GOAL_MAP_FILE).read_text())[url]
+    assert rec["server_goals"] == order and [e["goal"] for e in rec["test"]] == list(test)
+    assert all(order[e["data_idx"]] == e["goal"] for e in rec["test"] + rec["train"])
+
+
 # --- the Action parser accepts what AgentGym's clients accept ------------------------------------------------
 @pytest.mark.parametrize("reply,env,want", [
     ("Thought: the ball is ahead. Action: go to red ball 1", "babyai", "go to red ball 1"),  # one line

@@ -66,6 +66,9 @@ def resolve_model(ref: str) -> str:
         return str(_materialise_embedded(ref))
     if Path(ref).expanduser().exists():
         return str(Path(ref).expanduser())
+    if ref.startswith((".", "/", "~")) or ref.count("/") > 1:  # a folder that is not there, never a hub id
+        raise ModelNotFound(f"model {ref!r} not found: no such folder; pass a local HF model folder, a hub id "
+                            f"(org/name) or {', '.join(EMBEDDED)} (--set model.path=...)")
     return _download_hub_model(ref)
 
 
