@@ -60,6 +60,9 @@ ARMS: dict[str, list[str]] = {
     "+mask": RECIPE + ["algo.truncated=mask"],
     # the expert term as the main signal: 3 relabelled states per episode at weight 3, no decay
     "dagger": STOP_DRIFT + ["algo.expert_coef=3.0", "algo.expert_turns=3"] + FIT + DYN,
+    # the expert's whole episode in every group whose samples all failed (what the warm start learned from), no
+    # relabels, half the step size
+    "groups": ["algo.lr=1e-5", "algo.kl_coef=0.05", "algo.skip_no_signal=true", "algo.expert_groups=true"] + FIT + DYN,
     "+groups": RECIPE + ["algo.expert_groups=true"],  # all-fail groups get the expert's episode of the task
     "+shape": RECIPE + ["algo.shaping_coef=0.1"],  # progress reward from the expert's remaining turns
     "+g8": RECIPE + ["rollout.tasks_per_step=2", "rollout.samples_per_task=8"],
