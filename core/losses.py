@@ -108,16 +108,19 @@ def policy_loss(
     weights: torch.Tensor,  # [B, T]: aggregation weight on policy tokens, 0 elsewhere
     clip: float,
     kl_coef: float,
+    kl_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped policy loss (+ kl_coef * k3 KL to the reference) aggregated by ``weights``."""
+    """Clipped policy loss (+ kl_coef * k3 KL to the reference) aggregated by ``weights``; the KL term by
+    ``kl_weights`` where given (0 on tokens the policy did not sample, where the k3 estimate means nothing)."""
     pg, clipped = clipped_pg_loss(logp, old_logp, adv, clip)
-    total = pg
+    loss = (pg * weights).sum()
     stats = {"pg_loss": float((pg.detach() * weights).sum()), "clip_frac": float((clipped * weights).sum())}
     if ref_logp is not None and kl_coef:
+        kw = weights if kl_weights is None else kl_weights
         kl = kl_k3(logp, ref_logp)
-        total = total + kl_coef * kl
-        stats["kl"] = float((kl.detach() * weights).sum())
-    return (total * weights).sum(), stats
+        loss = loss + kl_coef * (kl * kw).sum()
+        stats["kl"] = float((kl.detach() * kw).sum())
+    return loss, stats
 
 
 def clipped_value_loss(

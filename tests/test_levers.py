@@ -481,3 +481,20 @@ def test_an_expert_episode_stays_out_of_the_sampling_mismatch(tiny_model_dir):
     b = TorchLearner(tiny_model_dir, cfg)
     with_demo = b.update(trajs, advs, prepared=b.prepare(trajs))
     assert with_demo["logprob_mismatch"] == pytest.approx(without["logprob_mismatch"], rel=1e-5)
+
+
+def test_the_kl_term_leaves_an_expert_episodes_tokens_out():
+    """policy_loss with kl_weights: the KL part sums only where they are nonzero (the tokens the policy sampled);
+    on a hand case, pg 0 (adv 0) and k3 = exp(d) - d - 1 at d = ref - logp."""
+    import torch
+
+    from core.losses import policy_loss
+
+    logp = torch.tensor([[-1.0, -2.0]])
+    ref = torch.tensor([[-1.5, -6.0]])  # the second token: an expert token the reference finds unlikely
+    w = torch.tensor([[0.5, 0.5]])
+    k3 = [math.exp(-0.5) + 0.5 - 1, math.exp(-4.0) + 4.0 - 1]
+    loss, st = policy_loss(logp, logp, ref, torch.zeros(1, 2), w, 0.2, 0.1)
+    assert float(loss) == pytest.approx(0.1 * 0.5 * (k3[0] + k3[1]))
+    loss, st = policy_loss(logp, logp, ref, torch.zeros(1, 2), w, 0.2, 0.1, kl_weights=torch.tensor([[0.5, 0.0]]))
+    assert float(loss) == pytest.approx(0.1 * 0.5 * k3[0]) and st["kl"] == pytest.approx(0.5 * k3[0])

@@ -681,7 +681,11 @@ class TorchLearner:
             tally.mismatch_sum, tally.mismatch_n = tally.mismatch_sum + total, tally.mismatch_n + n
         else:
             old_t = self._dev(pad_rows([p.old[k] for k in ks], T))
-        loss, st = policy_loss(logp, old_t, ref_t, adv, weights, self.cfg.clip, batch.kl_coef)
+        # the KL estimate holds on the policy's own samples: an expert episode's tokens stay out of it
+        kl_w = None
+        if ref_t is not None and any(batch.traj(k).expert_demo for k in ks):
+            kl_w = weights * self._dev(pad_rows([sampled_mask(batch.traj(k)) for k in ks], T))
+        loss, st = policy_loss(logp, old_t, ref_t, adv, weights, self.cfg.clip, batch.kl_coef, kl_weights=kl_w)
         self._backward(loss)
         st["entropy"] = float((ent * weights).sum())
         st["loss"] = float(loss.detach())
