@@ -15,14 +15,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     # The easiest honest slice (built for the learning study's second environment): goals of recipe depth 1 only
     # ("get" the base items, then one "craft"; 125 goals, 61 train / 64 held-out), with the action menu in the
-    # first observation (show_actions). Measured on a 2-core AVX512-BF16 CPU: the base SmolLM2-135M solves 0/64
-    # held-out goals greedy at 2-4 turns and 0/128 sampled episodes (K=4, T=1.0, 4 turns) -- an outcome reward
-    # gives GRPO nothing to learn from, so this preset does not show learning with the base model (README).
-    # Warm start for it (behaviour cloning on the expert, README "Warm start"): `scalinginter warmstart textcraft
-    # --preset easy --demos 61 --epochs E --lr LR --out DIR`, then `--set model.path=DIR` (or the learning study's
-    # --warmstart-demos 61 --warmstart-epochs E). The expert solves all 61 train goals (1,525 reply tokens). E and
-    # LR are not chosen yet: no setting was scored this round (on the shared machine one epoch of 61 demos took
-    # 58 min at nice 19, mean NLL 0.816 at lr 1e-5); aim for held-out greedy success 0.15-0.5 at 4 turns.
+    # first observation (show_actions). The base model solves none of these goals, so an outcome reward gives GRPO
+    # nothing to learn from: start it from a warm start (behaviour cloning on the expert, docs/guides/warm-start.md:
+    # `scalinginter warmstart textcraft --preset easy --demos 61 --epochs E --lr LR --out DIR`, then
+    # `--set model.path=DIR`). What it measured: docs/results/learning-study-textcraft.md.
     "easy": {
         "env": {"options": {"depth": 1, "n_test": 64, "show_actions": True}},
         "curriculum": {"phases": [{"turn_limit": 2, "steps": 4}, {"turn_limit": 3, "steps": 4},
