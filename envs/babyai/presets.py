@@ -35,7 +35,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     # Multi-step tasks whose horizons matter: levels chosen by the turns the expert (envs/babyai/expert.py:
     # minigrid's BabyAIBot phrased as this env's macro and primitive actions) needs, info["required_turns"].
-    # Measured on the preset's own train indices 0..699 (100 per level; every task labelled, the expert solves all):
+    # Counted on the preset's own train indices 0..699 (100 per level; every task labelled, the expert solves all):
     #   GoToLocal       1: 59, 2-3: 37, 4-6: 3, 7: 1      (walk to a seen object; turn first when it is not in view)
     #   PickupLoc       1: 39, 2-3: 57, 4-6: 3, 10: 1
     #   OpenTwoDoors    2-3: 59, 4-6: 41                  (open one door, cross the room, open the other)
