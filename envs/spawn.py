@@ -323,23 +323,48 @@ class EnvServerProcess(EnvServerHandle):
         return f"EnvServerProcess({self.env_name!r}, port={self.port}, pid={self.pid}, {state})"
 
 
+CONTAINER_ONLY = ("docker_client", "cpus", "mem_limit", "shm_size", "pids_limit", "run", "watchdog")
+_SAID: set[str] = set()
+
+
+def _say_once(line: str) -> None:
+    if line not in _SAID:
+        _SAID.add(line)
+        print(line, flush=True)
+
+
 def spawn_env_server(env_name: str, env_options: dict[str, Any] | None = None, *, runtime: str = "auto",
                      image: str | None = None, **kw: Any) -> EnvServerHandle:
     """Start an env server: a container when ``runtime`` is ``docker`` (or ``auto`` and a daemon answers and
-    has the env's image), else a local process. Same health check, port allocation, restart and teardown."""
+    has the env's image), else a local process. Same health check, port allocation, restart and teardown.
+    ``auto`` also wants the image built from this checkout's ``core/`` + ``envs/`` (``containers.stale_reason``)
+    and an env registered from ``envs/`` (``containers.outside_images``), and says once per process and reason why
+    it runs processes. Container-only keywords (``CONTAINER_ONLY``: limits, the run label, a client) are dropped
+    for a process."""
     from envs import containers
 
     if runtime not in RUNTIMES:
         raise ValueError(f"env.runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
     if runtime != "process":
         img = image or containers.image_for(env_name)
-        why = containers.unavailable_reason(img, kw.get("docker_client"))
+        client = kw.get("docker_client") or containers.docker_client()
+        why = containers.unavailable_reason(img, client)
+        stale = containers.stale_reason(img, client) if why is None else None
+        if stale and runtime == "auto":  # auto never runs other env code than this checkout's
+            why = stale
+        elif stale:
+            _say_once(f"warning: {stale}; env.runtime=docker runs it as it is")
+        if why is None and image is None:  # the default images hold envs/ only
+            why = containers.outside_images(env_name)
         if why is None:
+            kw["docker_client"] = client
             return containers.EnvServerContainer(env_name, env_options=env_options, image=img, **kw).start()
         if runtime == "docker":
             raise EnvServerStartError(f"env.runtime=docker but {why}. Build the images with "
                                       f"`infra/docker/build.sh`, or use env.runtime=process (or auto).")
-    kw.pop("docker_client", None)
+        _say_once(f"env.runtime=auto: {env_name} env servers run as local processes ({why})")
+    for k in CONTAINER_ONLY:
+        kw.pop(k, None)
     return EnvServerProcess(env_name, env_options=env_options, **kw).start()
 
 

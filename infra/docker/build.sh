@@ -1,20 +1,17 @@
 #!/usr/bin/env bash
-# Build the env server images (and, with `trainer-gpu`, the GPU trainer image) from the repository root.
-#   infra/docker/build.sh                 # env-light env-web env-sciworld
-#   infra/docker/build.sh env-light       # one image
-#   TAG=v1 REPO=registry.example/si infra/docker/build.sh
-# The phase flow starts containers of these images when env.runtime is docker (or auto and a daemon answers).
+# Build the env server images without a registry (and, with `trainer-gpu`, the GPU trainer image, which needs one):
+#   sudo infra/docker/engine.sh                 # first, where no Docker engine runs yet
+#   infra/docker/build.sh                       # env-light env-sciworld env-web
+#   infra/docker/build.sh env-light             # one image
+#   infra/docker/build.sh env-light --base debootstrap --json sizes.json
+# Base: python:3.11-slim-bookworm where a registry answers, else one made from Debian packages (debootstrap +
+# docker import, root); Python dependencies: wheels made on this host by pip (its own index settings) under
+# build/wheelhouse/, installed in the image with --no-index. Tags: scalinginter/<image>:<content hash> and :latest;
+# an image whose hash tag exists is not rebuilt. Details: infra/docker/images.py (--help).
+# The phase flow starts containers of these images when env.runtime is docker (or auto and the image is here).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-TAG="${TAG:-latest}"
-REPO="${REPO:-scalinginter}"
-IMAGES=("$@")
-[ ${#IMAGES[@]} -eq 0 ] && IMAGES=(env-light env-web env-sciworld)
-command -v docker >/dev/null || { echo "docker CLI not found" >&2; exit 2; }
-docker info >/dev/null 2>&1 || { echo "no Docker daemon answers (docker info failed)" >&2; exit 2; }
-for name in "${IMAGES[@]}"; do
-  file="infra/docker/${name}.Dockerfile"
-  [ -f "$file" ] || { echo "no $file (images: env-light env-web env-sciworld trainer-gpu)" >&2; exit 2; }
-  echo "== building $REPO/$name:$TAG from $file"
-  docker build -f "$file" -t "$REPO/$name:$TAG" .
-done
+PY="${PYTHON:-.venv/bin/python}"
+[ -x "$PY" ] || PY=python3
+command -v docker >/dev/null || { echo "build.sh: no docker CLI: sudo infra/docker/engine.sh installs the engine" >&2; exit 2; }
+exec nice -n "${BUILD_NICE:-10}" "$PY" infra/docker/images.py "$@"

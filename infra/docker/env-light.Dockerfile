@@ -1,21 +1,28 @@
 # Env servers without heavy system dependencies: babyai, textcraft, searchqa (BM25; the dense retriever needs
-# WITH_DENSE=1), toy. Build from the repository root: infra/docker/build.sh (or
-#   docker build -f infra/docker/env-light.Dockerfile -t scalinginter/env-light .)
-# Run: docker run -p 127.0.0.1:8000:8000 scalinginter/env-light python -m envs.server --env babyai --host 0.0.0.0
-FROM python:3.11-slim-bookworm
-ARG WITH_DENSE=0
-ENV PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 PYTHONPATH=/app \
-    SCALINGINTER_CACHE=/cache
-WORKDIR /app
-COPY infra/docker/requirements-env.txt /tmp/requirements-env.txt
-RUN pip install -r /tmp/requirements-env.txt \
- && if [ "$WITH_DENSE" = "1" ]; then \
-      pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
-      && pip install "transformers>=5.19,<5.20"; \
-    fi
+# build.sh --dense), toy. Built by infra/docker/build.sh (infra/docker/images.py), which stages the context: core/,
+# envs/, the requirement files and build/wheels/ (the dependencies as wheels, made on the host), and passes BASE:
+# python:3.11-slim-bookworm where a registry answers, else a base made from Debian packages (debootstrap + import).
+# Nothing is fetched from a package index here: pip installs from the wheels only (--no-index).
+# Run: docker run -p 127.0.0.1:8000:8000 -e SCALINGINTER_ENV_TOKEN=... scalinginter/env-light \
+#        python -m envs.server --env babyai --host 0.0.0.0
+ARG BASE=python:3.11-slim-bookworm
+FROM ${BASE} AS deps
+ARG REQUIREMENTS=requirements-env.txt
+ARG EXTRA_REQUIREMENTS=
+COPY infra/docker/requirements-*.txt /tmp/req/
+COPY build/wheels /tmp/wheels
+RUN python3 -m venv /opt/venv \
+ && /opt/venv/bin/pip install --no-index --no-cache-dir --find-links /tmp/wheels -r /tmp/req/${REQUIREMENTS} \
+      ${EXTRA_REQUIREMENTS:+-r /tmp/req/${EXTRA_REQUIREMENTS}}
+
+FROM ${BASE}
+ENV PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PYTHONPATH=/app SCALINGINTER_CACHE=/cache \
+    VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+COPY --from=deps /opt/venv /opt/venv
+RUN useradd --create-home --uid 1000 envs && mkdir -p /cache && chown envs /cache
 COPY core /app/core
 COPY envs /app/envs
-RUN useradd --create-home --uid 1000 envs && mkdir -p /cache && chown envs /cache
+WORKDIR /app
 USER envs
 EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=3s CMD python -c "import urllib.request,sys; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2)" || exit 1
