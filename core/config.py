@@ -68,6 +68,52 @@ class EnvConfig(_Strict):
         return list(self.urls) if self.urls else ([self.url] if self.url else None)
 
 
+class LoraConfig(_Strict):
+    rank: int = Field(0, ge=0, description="LoRA: > 0 trains low-rank adapters of this rank (PEFT) on a frozen base "
+                                           "model instead of every weight; the KL reference is the base with the "
+                                           "adapters off (no second copy), vLLM serves the base and the adapter "
+                                           "(only the adapter moves after an update), a checkpoint holds the adapter "
+                                           "and its optimizer state. 0: off (full fine-tuning). Guide: guides/lora.")
+    alpha: float | None = Field(None, gt=0, description="LoRA scaling numerator: the adapter's update is alpha / "
+                                                        "rank x B A. None: 2 x rank.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input while training (the "
+                                                        "learner's log-probs are taken with it off).")
+    target_modules: list[str] | str = Field(
+        "all-linear", description="The base's layers that get adapters: 'all-linear' (every linear layer of the "
+                                  "decoder, not the output head) or module names, e.g. [q_proj,v_proj].")
+    engine: Literal["auto", "adapter", "merged"] = Field(
+        "auto", description="How a vLLM engine gets the policy: adapter (the base once, the adapter as a LoRA "
+                            "request, only the adapter synced after an update), merged (the adapter merged into "
+                            "the engine's weights, a full weight sync after every update; for builds or "
+                            "architectures vLLM serves no LoRA for) or auto (adapter where the vLLM build and "
+                            "the model's architecture take LoRA, else merged, said in the log).")
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _split_modules(cls, v: Any) -> Any:
+        """``[q_proj,v_proj]`` or ``q_proj,v_proj`` (how --set passes a list that is not JSON) -> a list;
+        ``all-linear`` stays a string."""
+        if isinstance(v, str):
+            s = v.strip()
+            if s == "all-linear":
+                return s
+            v = [p.strip().strip("'\"") for p in s.removeprefix("[").removesuffix("]").split(",")]
+            v = [p for p in v if p]
+        if isinstance(v, list) and not v:
+            raise ValueError("model.lora.target_modules is empty: give module names (e.g. [q_proj,v_proj]) or "
+                             "all-linear")
+        return v
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale_alpha(self) -> float:
+        """alpha (2 x rank when unset)."""
+        return float(self.alpha) if self.alpha is not None else 2.0 * self.rank
+
+
 class ModelConfig(_Strict):
     path: str = Field("smollm2-135m", description="'smollm2-135m' (embedded GGUF) or an HF folder / hub id.")
     bf16_autocast: bool | None = Field(
@@ -78,6 +124,8 @@ class ModelConfig(_Strict):
     device: str = Field("auto", description="Where the learner, critic, reference model and transformers "
                                             "generation run: auto (the CUDA GPU when torch sees one, else the CPU), "
                                             "cpu, cuda or cuda:N. vLLM picks its own device (its build: CUDA or CPU).")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters instead of full fine-tuning "
+                                                                     "(model.lora.rank > 0).")
 
     @field_validator("device")
     @classmethod
@@ -514,6 +562,22 @@ class RunConfig(_Strict):
         if self.learner.nodes > 1 and self.algo.estimator == "ppo":
             raise ValueError("the PPO critic is not data-parallel: use learner.nodes=1 and learner.ranks=1 with "
                              "algo.estimator=ppo")
+        return self
+
+    @model_validator(mode="after")
+    def _lora(self):
+        lo = self.model.lora
+        if not lo.enabled:
+            if lo != LoraConfig():
+                raise ValueError("model.lora settings are given but model.lora.rank is 0 (LoRA off): set "
+                                 "model.lora.rank (e.g. 16) or drop them")
+            return self
+        if self.learner.engine != "torch":
+            raise ValueError("model.lora trains adapters with the torch learner (the DeepSpeed learner shards full "
+                             "weights): set learner.engine=torch, or model.lora.rank=0")
+        if lo.engine != "auto" and self.rollout.backend != "vllm":
+            raise ValueError(f"model.lora.engine={lo.engine} says how a vLLM engine serves the adapter: set "
+                             "rollout.backend=vllm or leave model.lora.engine at auto")
         return self
 
     @property

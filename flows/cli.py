@@ -1,5 +1,5 @@
 """``scalinginter`` command line: run a curriculum, evaluate a checkpoint, warm-start a model on expert demos,
-serve an environment."""
+export a checkpoint as an HF folder, serve an environment."""
 
 from __future__ import annotations
 
@@ -231,6 +231,39 @@ def warmstart(
         expert_for(env)  # before any model loads
         run_warmstart(cfg, demos, epochs, lr, out, batch_size=batch_size, turn_limit=turn_limit,
                       echo=lambda line: typer.echo(line))
+
+
+@app.command()
+def export(
+    checkpoint: str = typer.Argument(..., help="A run's checkpoint: a local folder or s3://... URI (LoRA or full)."),
+    out: Path = typer.Argument(..., help="The HF folder to write (new or empty)."),
+    merge: bool = typer.Option(False, "--merge", help="LoRA checkpoint: write the base with the adapter merged into "
+                                                      "its weights (a plain model folder) instead of the adapter."),
+    base: Optional[str] = typer.Option(None, "--base", help="LoRA checkpoint: its base model folder (default: the "
+                                                            "one it records; either is checked by sha256)."),
+):
+    """Write a checkpoint as an HF folder transformers and vLLM load as it is: a LoRA checkpoint's adapter (PEFT's
+    files, loaded on its base) or, with --merge, its base with the adapter merged; a full checkpoint's model files.
+    Optimizer, RNG and trainer state are left out. `scalinginter eval OUT ENV` scores either."""
+    from runtime.backends.lora import WrongBaseModel, export_checkpoint
+    from storage.checkpoint_store import CheckpointStoreError, is_s3_uri, load_checkpoint
+
+    try:
+        src = checkpoint
+        if is_s3_uri(checkpoint) or (Path(checkpoint) / "manifest.json").exists():
+            src = str(load_checkpoint(checkpoint, verify_sha256=True))
+        elif not Path(checkpoint).is_dir():
+            _fail(f"checkpoint {checkpoint!r} is not a folder or an s3:// URI")
+        info = export_checkpoint(src, out, merge=merge, base_dir=base)
+    except CheckpointStoreError as e:
+        _fail(f"cannot load checkpoint {e.uri}: {e.reason}")
+    except (WrongBaseModel, FileExistsError, FileNotFoundError) as e:
+        _fail(str(e))
+    if merge and info["kind"] == "full":
+        typer.echo("note: a full checkpoint has no adapter to merge: its model files were exported as they are")
+    what = {"adapter": f"LoRA adapter on {info['base']}", "merged": f"base {info['base']} with the adapter merged",
+            "full": "model"}[info["kind"]]
+    typer.echo(f"wrote {out} ({what}): {', '.join(info['files'])}")
 
 
 @env_app.command("serve")

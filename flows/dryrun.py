@@ -1,15 +1,19 @@
 """``scalinginter run ENV --dry-run``: the run's context, KV cache and memory plan (``core.preflight``) from its
-config and the model's ``config.json``, without loading a model or starting anything."""
+config and the model's ``config.json``, without loading a model or starting anything. With ``model.lora`` the
+memory plan counts the frozen base once (no reference copy: the reference is the base with the adapters off) and
+gradients and optimizer state for the adapters only (``lora_memory``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
 
 from core.config import RunConfig
-from core.kvcache import GiB
-from core.preflight import OPTIMIZER_STATE_BYTES, ModelShape, Plan, RunShape, check_run
+from core.kvcache import GiB, plan_kv_cache
+from core.preflight import (ACT_BYTES_PER_HIDDEN_LAYER, ACT_BYTES_PER_VOCAB, OPTIMIZER_STATE_BYTES, RUNTIME_BYTES,
+                            ModelShape, Plan, RunShape, check_run)
 
 
 def _model_config(ref: str) -> dict:
@@ -18,6 +22,11 @@ def _model_config(ref: str) -> dict:
     from runtime.backends.model import resolve_model
 
     path = resolve_model(ref)
+    if Path(path).is_dir() and not (Path(path) / "config.json").exists():  # a LoRA adapter: its base's config
+        from runtime.backends.lora import is_adapter_dir, read_base_record
+
+        if is_adapter_dir(path):
+            path = resolve_model(read_base_record(path).get("base_dir") or path)
     if Path(path).is_dir():
         return json.loads((Path(path) / "config.json").read_text())
     from huggingface_hub import hf_hub_download
@@ -50,16 +59,88 @@ def run_shape(cfg: RunConfig) -> RunShape:
                     optimizer_bytes_per_param=OPTIMIZER_STATE_BYTES[a.optimizer])
 
 
+@dataclasses.dataclass(frozen=True)
+class LoraMemory:
+    """The learner side of a LoRA run's memory (bytes), from ``lora_memory``."""
+
+    base: int  # the frozen base: fp32 embeddings, linear layers in bf16 under bf16 autocast (else fp32)
+    adapters: int  # adapter weights, gradients and optimizer state
+    adapter_params: int
+    critic: int  # PPO: the critic's frozen backbone copy, its adapters and value head (0 without a critic)
+    engine_adapter: int  # the adapter's copy in the engine
+
+
+def lora_memory(c: dict, m: ModelShape, r: RunShape, rank: int, targets, bf16: bool) -> LoraMemory:
+    """The learner's memory with ``rank``-``targets`` adapters on a frozen base (``c``: its ``config.json``): the base
+    once (the KL reference is the base with the adapters off, no copy), fp32 weights and gradients plus the
+    optimizer's state for the adapters only."""
+    from runtime.backends.lora import adapter_param_count
+
+    tc = c.get("text_config", c)
+    emb = m.vocab * m.hidden * (1 if tc.get("tie_word_embeddings", True) else 2)
+    base = 4 * emb + (2 if bf16 else 4) * (m.params - emb)
+    a = adapter_param_count(c, rank, targets)
+    per_adapter = 8 + r.optimizer_bytes_per_param
+    critic = (base + 16 * a + 16 * m.hidden) if r.critic else 0  # its own frozen copy, adapters and head (AdamW)
+    return LoraMemory(base, per_adapter * a, a, critic, r.engine_bytes_per_elem * a if r.vllm else 0)
+
+
+def _lora_plan(plan: Plan, cfg: RunConfig, c: dict, m: ModelShape, r: RunShape, machine: int | None) -> None:
+    """Replace ``check_run``'s memory line (and its memory error) with the LoRA learner's."""
+    from runtime.backends.hardware import resolve_bf16
+
+    lo = cfg.model.lora
+    try:
+        lm = lora_memory(c, m, r, lo.rank, lo.target_modules, resolve_bf16(cfg.model.bf16_autocast))
+    except ValueError as e:
+        plan.errors.append(f"model.lora.target_modules: {e}")
+        return
+    kv = 0
+    if r.vllm:  # the engine's KV cache as check_run sized it
+        try:
+            kv = plan_kv_cache(max(1, r.episodes), r.token_budget + 1,
+                               m.kv_bytes_per_token_16 * r.engine_bytes_per_elem // 2, r.kv_budget_bytes,
+                               r.kv_fixed_bytes).cache_bytes
+        except ValueError:  # check_run reported it
+            kv = 0
+    engine = (r.engine_bytes_per_elem * m.params + kv + lm.engine_adapter) if r.vllm else 0
+    tokens = r.micro_batch_tokens or r.micro_batch_size * r.token_budget
+    acts = tokens * (m.layers * m.hidden * ACT_BYTES_PER_HIDDEN_LAYER + m.vocab * ACT_BYTES_PER_VOCAB)
+    total = lm.base + lm.adapters + lm.critic + engine + acts + RUNTIME_BYTES
+    plan.memory_bytes = total
+    parts = [f"frozen base {lm.base / GiB:.1f}",
+             f"adapters {lm.adapters / GiB:.2f} ({lo.rank}-rank, {lm.adapter_params / 1e6:.1f} M parameters with "
+             "gradients and optimizer state; no reference copy)",
+             f"activations {acts / GiB:.1f} ({tokens} tokens per micro-batch)"]
+    if lm.critic:
+        parts.append(f"critic {lm.critic / GiB:.1f} (frozen backbone copy and its adapters)")
+    if engine:
+        parts.append(f"engine {engine / GiB:.1f}")
+    parts.append(f"runtime {RUNTIME_BYTES / GiB:.1f}")
+    plan.lines = [x for x in plan.lines if not x.startswith("memory:")]
+    plan.lines.append(f"memory: at least {total / GiB:.1f} GiB with LoRA ({', '.join(parts)})"
+                      + (f" of {machine / GiB:.0f} GiB" if machine else ""))
+    plan.errors = [e for e in plan.errors if not e.startswith("the run needs at least")]
+    if machine and total > machine:
+        plan.errors.append(f"the run needs at least {total / GiB:.1f} GiB, more than this machine's "
+                           f"{machine / GiB:.1f} GiB: lower algo.micro_batch_tokens or model.lora.rank, or use a "
+                           "smaller model")
+
+
 def dry_run(cfg: RunConfig) -> Plan:
     """The plan of ``cfg`` (its ``errors`` empty when the run would start)."""
     try:
-        shape = ModelShape.from_hf_config(_model_config(cfg.model.path))
+        config = _model_config(cfg.model.path)
+        shape = ModelShape.from_hf_config(config)
     except Exception as e:  # noqa: BLE001 - any failure to read the model's config is the one thing to report
         p = Plan()
         p.errors.append(f"cannot read the config of model {cfg.model.path!r} ({type(e).__name__}: {e}): pass a local "
                         "HF folder or a hub id reachable from here (--set model.path=...)")
         return p
-    plan = check_run(shape, run_shape(cfg), machine_memory(), model_name=cfg.model.path)
+    shape_r, machine = run_shape(cfg), machine_memory()
+    plan = check_run(shape, shape_r, machine, model_name=cfg.model.path)
+    if cfg.model.lora.enabled:
+        _lora_plan(plan, cfg, config, shape, shape_r, machine)
     plan.lines.insert(0, f"model {cfg.model.path}: {shape.params / 1e6:.0f} M parameters, context "
                          f"{shape.context or 'unknown'}")
     return plan

@@ -9,6 +9,7 @@ Checkpoints are HF folders (world-size independent) plus ``optimizer.pt`` keyed 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -59,6 +60,7 @@ class LearnerConfig:
     activation_checkpointing: int = 0  # N > 0: every N-th decoder layer recomputes its activations in the backward
     activation_checkpointing_min_tokens: int = 0  # > 0: only micro-batches of at least this many padded tokens do
     device: str = "auto"  # model.device: auto (CUDA when available, else CPU), cpu, cuda, cuda:N
+    lora: Any = None  # model.lora: a runtime.backends.lora.LoraSpec (adapters on a frozen base), None: full weights
 
     @classmethod
     def from_run(cls, cfg: Any, critic_path: str | None = None) -> "LearnerConfig":
@@ -67,12 +69,14 @@ class LearnerConfig:
         ``critic_path``: the critic model's local folder (None: a copy of the policy)."""
         from core.advantages import get_estimator
         from runtime.backends.hardware import resolve_bf16
+        from runtime.backends.lora import LoraSpec
 
         a = cfg.algo
         spec = get_estimator(a.estimator)
         other = dict(bf16_autocast=resolve_bf16(cfg.model.bf16_autocast), device=cfg.model.device,
                      temperature=cfg.rollout.temperature, kl_in_loss=not spec.kl_in_reward, critic=spec.needs_critic,
-                     critic_path=critic_path, critic_lr=a.critic.lr or 1e-5, value_clip=a.critic.value_clip)
+                     critic_path=critic_path, critic_lr=a.critic.lr or 1e-5, value_clip=a.critic.value_clip,
+                     lora=LoraSpec.from_config(cfg.model.lora))
         same = {f.name: getattr(a, f.name) for f in dataclasses.fields(cls)
                 if f.name in type(a).model_fields and f.name not in other}  # algo.critic is the critic's section
         return cls(**same, **other)
@@ -180,10 +184,16 @@ def optimizer_state_on(state: dict[str, Any], device: torch.device) -> dict[str,
 
 
 def load_causal_lm(path: str, device: Any = None):
-    """An fp32 causal LM from an HF folder (or hub id), on ``device`` (None: where transformers puts it, the CPU)."""
+    """An fp32 causal LM from an HF folder (or hub id), on ``device`` (None: where transformers puts it, the CPU).
+    A LoRA adapter folder (a LoRA checkpoint, an export) loads as its base with the adapter merged."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    from runtime.backends.lora import is_adapter_dir, load_merged_causal_lm
+
+    if is_adapter_dir(path):
+        model = load_merged_causal_lm(path)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return model if device is None else model.to(device)
 
 
@@ -266,7 +276,13 @@ class TorchLearner:
             cfg = dataclasses.replace(cfg, length_buckets=CPU_BUCKETS if self.device.type == "cpu" else 0)
         self.cfg = cfg
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = load_causal_lm(model_path, self.device)
+        self.lora = cfg.lora
+        self.peft = None  # model.lora: PEFT's wrapper around self.model (which holds the injected adapter layers)
+        self.base_dir = self.base_sha256 = None
+        if self.lora is not None:
+            self._load_lora(model_path, reference_path)
+        else:
+            self.model = load_causal_lm(model_path, self.device)
         self.model.config.use_cache = False
         if cfg.bf16_autocast and self.cast_linears:  # the backward recasts the fp32 weights (runtime.backends.cast_linear)
             use_cast_linears(self.model, skip=(self.model.get_output_embeddings(),))
@@ -280,14 +296,16 @@ class TorchLearner:
             set_recast(m, False)
         self.model.train()
         self.ref = None
-        if cfg.kl_coef > 0:
+        if cfg.kl_coef > 0 and self.peft is None:  # with LoRA the reference is the base with the adapters off
             self.ref = load_causal_lm(reference_path or model_path, self.device)
             self.ref.eval()
             for p in self.ref.parameters():
                 p.requires_grad_(False)
             if cfg.bf16_autocast:  # every forward casts them to bf16 anyway: store them so (the same values)
                 bf16_linears(self.ref, skip=(self.ref.get_output_embeddings(),))
-        self.opt = make_optimizer(self.model.parameters(), cfg.optimizer, cfg.lr, cfg.weight_decay)
+        params = self.model.parameters() if self.peft is None else [p for p in self.model.parameters()
+                                                                      if p.requires_grad]
+        self.opt = make_optimizer(params, cfg.optimizer, cfg.lr, cfg.weight_decay)
         if cfg.grad_dtype not in ("fp32", "bf16"):
             raise ValueError(f"unknown grad_dtype {cfg.grad_dtype!r}: fp32 or bf16")
         self._bf16_grads: dict[torch.nn.Parameter, torch.Tensor] = {}  # grad_dtype=bf16: a parameter's gradient
@@ -308,12 +326,45 @@ class TorchLearner:
                     q.register_post_accumulate_grad_hook(hold)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.critic = None
-        if cfg.critic:
+        if cfg.critic and self.peft is not None:
+            from runtime.backends.lora import LoraCritic
+
+            self.critic = LoraCritic(cfg.critic_path or self.base_dir, self.lora, cfg.critic_lr, cfg.value_clip,
+                                     cfg.micro_batch_size, cfg.bf16_autocast, cfg.grad_clip, self.pad_id,
+                                     device=self.device)
+        elif cfg.critic:
             from runtime.backends.critic import Critic
 
             self.critic = Critic(cfg.critic_path or reference_path or model_path, cfg.critic_lr, cfg.value_clip,
                                  cfg.micro_batch_size, cfg.bf16_autocast, cfg.grad_clip, self.pad_id,
                                  device=self.device)
+
+    def _load_lora(self, model_path: str, reference_path: str | None) -> None:
+        """``model.lora``: the base model (``model_path``; for an adapter folder, the base it records, or
+        ``reference_path`` checked against the record's sha256), frozen, with PEFT's adapters injected (the ones
+        saved in ``model_path`` when it is an adapter folder, else fresh: B = 0, so the policy starts as the base).
+        Under bf16 autocast the frozen linear layers are stored in bf16 (the values every forward casts to)."""
+        from runtime.backends.lora import attach_adapters, base_of, freeze_base_bf16, is_adapter_dir, weights_sha256
+
+        adapter_dir = model_path if is_adapter_dir(model_path) else None
+        base = base_of(adapter_dir, reference_path) if adapter_dir else model_path
+        self.base_dir, self.base_sha256 = str(base), weights_sha256(base)
+        self.model = load_causal_lm(self.base_dir, self.device)
+        self.peft = attach_adapters(self.model, self.lora, adapter_dir)
+        if self.cfg.bf16_autocast:
+            freeze_base_bf16(self.model, skip=(self.model.get_output_embeddings(),))
+
+    def lora_source(self):
+        """The live adapter the engine serves (``runtime.backends.lora.PolicyAdapter``), None without LoRA."""
+        from runtime.backends.lora import PolicyAdapter
+
+        return None if self.peft is None else PolicyAdapter(self.peft, self.model)
+
+    @property
+    def has_reference(self) -> bool:
+        """Whether the KL reference's log-probs are computed: a reference model, or with LoRA the base with its
+        adapters off (kl_coef > 0)."""
+        return self.ref is not None or (self.peft is not None and self.cfg.kl_coef > 0)
 
     # -- log-probs --------------------------------------------------------------------------------------
     def _autocast(self):
@@ -477,15 +528,36 @@ class TorchLearner:
                           groups: list[int] | None = None) -> list[list[float]]:
         """Per-token log-probs of ``seqs``; with ``masks``, only on the masked-in tokens (0 elsewhere); with
         ``groups`` too, rows of a group share their prompt's forward pass."""
-        model = self.ref if reference else self.model
+        model = self.model if not reference or self.peft is not None else self.ref  # LoRA: _lora_forward
         out: list[list[float]] = []
-        for s, e in self._micro([len(x) for x in seqs]):
-            chunk = seqs[s:e]
-            ids, att = self._pad(chunk)
-            need = pad_rows(masks[s:e], ids.shape[1]).bool() if masks is not None else None
-            logp, _ = self._token_logp(model, ids, att, need=need, groups=groups[s:e] if groups else None)
-            out += [logp[r, : len(c)].tolist() for r, c in enumerate(chunk)]
+        with self._lora_forward(reference):
+            for s, e in self._micro([len(x) for x in seqs]):
+                chunk = seqs[s:e]
+                ids, att = self._pad(chunk)
+                need = pad_rows(masks[s:e], ids.shape[1]).bool() if masks is not None else None
+                logp, _ = self._token_logp(model, ids, att, need=need, groups=groups[s:e] if groups else None)
+                out += [logp[r, : len(c)].tolist() for r, c in enumerate(chunk)]
         return out
+
+    @contextlib.contextmanager
+    def _lora_forward(self, reference: bool):
+        """With LoRA: the reference's forward runs the policy's model with its adapters off (the frozen base), and
+        a log-prob forward with adapter dropout runs in eval mode (the log-probs of the policy, not of a dropout
+        sample). Without LoRA: nothing."""
+        if self.peft is None:
+            yield
+            return
+        was_training = self.model.training
+        if self.lora.dropout:
+            self.model.eval()
+        try:
+            if reference:
+                with self.peft.disable_adapter():
+                    yield
+            else:
+                yield
+        finally:
+            self.model.train(was_training)
 
     def _micro(self, lengths: list[int]) -> list[tuple[int, int]]:
         """Consecutive micro-batches over sequences of these lengths: ``micro_batch_size`` sequences at most, and
@@ -517,7 +589,7 @@ class TorchLearner:
             p.old = self.sequence_logprobs(seqs, masks=masks, groups=groups)
             p.stats["logprob_mismatch"] = logprob_mismatch(trajs, live, p.old)
         p.ref = (self.sequence_logprobs(seqs, reference=True, masks=masks, groups=groups)
-                 if self.ref is not None else None)
+                 if self.has_reference else None)
         if self.critic is not None:
             p.values, p.final_values = self.critic.values_and_final(seqs)
         return p
@@ -877,17 +949,29 @@ class TorchLearner:
         return sum(t.nbytes for st in self.opt.state.values() for t in st.values() if torch.is_tensor(t))
 
     def save_weights(self, directory: Path) -> None:
+        if self.peft is not None:  # the policy as a plain HF folder: the adapters merged into the base
+            from runtime.backends.lora import save_merged
+
+            save_merged(self.model, directory)
+            return
         self.model.save_pretrained(directory)
 
     def in_memory_weights(self):
+        if self.peft is not None:  # the adapters merged in, one tensor at a time (an engine that serves no LoRA)
+            from runtime.backends.lora import merged_entries
+
+            return lambda: ((n, fetch()) for n, _, fetch in merged_entries(self.model))
         return lambda: self.model.named_parameters()
 
     def save(self, directory: Path, trainer_state: dict[str, Any]) -> None:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        self.model.config.use_cache = True
-        self.model.save_pretrained(directory)
-        self.model.config.use_cache = False
+        if self.peft is not None:  # the adapter (PEFT's files) and the base it belongs to, not the base's weights
+            self._save_adapter(directory)
+        else:
+            self.model.config.use_cache = True
+            self.model.save_pretrained(directory)
+            self.model.config.use_cache = False
         self.tokenizer.save_pretrained(directory)
         names = {id(p): n for n, p in self.model.named_parameters()}
         opt_state = {
@@ -901,10 +985,28 @@ class TorchLearner:
             self.critic.save(directory)
         (directory / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
 
+    def _save_adapter(self, directory: Path) -> None:
+        """PEFT's adapter files (``adapter_config.json``, ``adapter_model.safetensors``: what ``PeftModel``,
+        transformers and vLLM load) and ``lora_base.json`` (the base's folder and weights sha256)."""
+        from safetensors.torch import save_file
+
+        from runtime.backends.lora import ADAPTER_NAME, ADAPTER_WEIGHTS, adapter_tensors, write_base_record
+
+        self.peft.peft_config[ADAPTER_NAME].save_pretrained(str(directory))
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in adapter_tensors(self.peft).items()}
+        save_file(tensors, str(Path(directory) / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        write_base_record(directory, self.base_dir, self.base_sha256)
+
     def load_training_state(self, directory: Path, weights: bool = True) -> dict[str, Any]:
-        """Load (model weights,) optimizer state and RNG from a checkpoint folder; returns trainer_state."""
+        """Load (model weights,) optimizer state and RNG from a checkpoint folder; returns trainer_state. With LoRA
+        the weights are the adapter's, refused when the checkpoint's base is not this learner's."""
         directory = Path(directory)
-        if weights:
+        if weights and self.peft is not None:
+            from runtime.backends.lora import check_base, load_adapter_weights
+
+            check_base(directory, self.base_dir)
+            load_adapter_weights(self.peft, directory)
+        elif weights:
             fresh = load_causal_lm(str(directory))
             self.model.load_state_dict(fresh.state_dict())
             del fresh
