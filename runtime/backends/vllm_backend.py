@@ -48,6 +48,7 @@ import tempfile
 import threading
 import time
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -175,6 +176,33 @@ class WorkerExtension:
         pairs = [(name, torch.frombuffer(bytearray(raw), dtype=getattr(torch, dtype)).view(tuple(shape)))
                  for name, dtype, shape, raw in records]
         return self._load_pairs(pairs)
+
+    def load_lora_tensors(self, lora_id: int, config: dict, records) -> int:
+        """``model.lora``: install an adapter sent inside the RPC message (``(name, dtype, shape, raw bytes)`` per
+        tensor under PEFT's file names, ``config``: its ``adapter_config.json``) as LoRA ``lora_id``, replacing
+        every adapter the worker holds: vLLM's own loader (``LoRAModel.from_lora_tensors``) without a folder. The
+        next requests name ``lora_id``. Returns the tensors installed."""
+        import torch
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        mgr = self.model_runner.lora_manager
+        am = mgr._adapter_manager
+        tensors = {name: torch.frombuffer(bytearray(raw), dtype=getattr(torch, dtype)).view(tuple(shape))
+                   for name, dtype, shape, raw in records}
+        helper = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings": mgr.max_position_embeddings})
+        helper.validate_legal(mgr.lora_config)
+        model = am.model
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        lora = LoRAModel.from_lora_tensors(
+            lora_id, tensors, helper, device="cpu", dtype=mgr.lora_config.lora_dtype, model_vocab_size=mgr.vocab_size,
+            weights_mapper=None if mapper is None else mapper.get_rename_mapper(),
+            skip_prefixes=getattr(model, "lora_skip_prefixes", None))
+        for old in list(am.list_adapters()):
+            am.remove_adapter(old)
+        am.add_adapter(lora)
+        am.activate_adapter(lora_id)
+        return len(tensors)
 
     def drop_shared_weights(self) -> None:
         """Unmap the weight-sync segment (the learner frees it after each sync unless it keeps it)."""
@@ -359,7 +387,8 @@ class VLLMRequests:
         sp.output_kind = self._final_only  # as LLM.generate: one output, when the request finishes
         tokens = {"prompt_token_ids": list(prompt)}
         render = getattr(self.llm, "_preprocess_cmpl_one", None)  # LLM.generate's own prompt rendering
-        self.engine.add_request(key, render(tokens) if render is not None else tokens, sp)
+        self.engine.add_request(key, render(tokens) if render is not None else tokens, sp,
+                                lora_request=self.backend.lora_request)
 
     def step(self) -> list[tuple[str, Generation]]:
         out = []
@@ -400,6 +429,7 @@ class VLLMBackend:
         named_weights: Callable[[], Iterable[tuple[str, Any]]] | None = None,
         transport: str = "shm",
         in_process: bool = False,
+        lora_rank: int = 0,
     ):
         self.model_path = str(model_path)
         self.eos_token_id = int(eos_token_id)
@@ -421,6 +451,15 @@ class VLLMBackend:
         self._asleep_tags: set[str] = set()  # sleep mode: the engine allocations still offloaded / dropped
         self.sleeps = 0
         self.kv_released_bytes = 0  # release_kv: what the last sleep handed back
+        # model.lora: the engine serves LoRA adapters up to this rank (0: none); the session's adapter source
+        # (``adapter``: synced as an adapter, ``merged``: merged into the weights) and the request that names it
+        self.lora_rank = vllm_lora_rank(lora_rank) if lora_rank else 0
+        self.adapter = None
+        self.merged = None
+        self.lora_request = None
+        self._lora_ids = 0
+        self.base_sha256: str | None = None  # the base weights the engine holds now (LoRA sessions; None: unknown)
+        self.last_sync: dict[str, Any] = {}  # what the last sync moved: kind, tensors, bytes
         import vllm  # noqa: F401  (fail early with ImportError if missing)
 
         cpu = is_cpu_build()
@@ -457,6 +496,8 @@ class VLLMBackend:
                           worker_extension_cls=f"{__name__}.WorkerExtension")
             if self.in_process:  # engine core and worker in this process: no engine or worker process
                 kwargs["distributed_executor_backend"] = "uni"
+            if self.lora_rank:  # one adapter at a time: the policy's (model.lora)
+                kwargs.update(enable_lora=True, max_lora_rank=self.lora_rank, max_loras=1, max_cpu_loras=1)
             if cpu:
                 kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
                 # no partial prefills: vLLM rewinds a seeded request's generator after a chunked prefill step
@@ -517,7 +558,8 @@ class VLLMBackend:
             raise ValueError(f"{len(params.seeds)} seeds for {len(prompts)} prompts")
         sampling = (self._sampling(params) if params.seeds is None
                     else [self._sampling(params, seed) for seed in params.seeds])
-        outs = self._llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling, use_tqdm=False)
+        outs = self._llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling, use_tqdm=False,
+                                  lora_request=self.lora_request)
         gens = []
         for o in outs:
             c = o.outputs[0]
@@ -603,7 +645,8 @@ class VLLMBackend:
 
         sp = VSP(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
         self.wake()
-        outs = self._llm.generate([{"prompt_token_ids": list(s)} for s in seqs], sp, use_tqdm=False)
+        outs = self._llm.generate([{"prompt_token_ids": list(s)} for s in seqs], sp, use_tqdm=False,
+                                  lora_request=self.lora_request)
         res = []
         for s, o in zip(seqs, outs):
             row = [0.0]
@@ -621,6 +664,7 @@ class VLLMBackend:
         self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(weights_path)})
         self._llm.collective_rpc("refresh_cpu_heads")
         self._llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self.base_sha256, self.last_sync = None, {"kind": "full"}
         return time.time() - t0
 
     def push_weights(self, named, transport: str = "shm") -> float:
@@ -644,6 +688,7 @@ class VLLMBackend:
         else:
             raise ValueError(f"unknown weight transport {transport!r}: shm or rpc")
         self._llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self.base_sha256, self.last_sync = None, {"kind": "full"}
         return time.time() - t0
 
     def _push_shm(self, named, dt) -> None:
@@ -700,6 +745,7 @@ class VLLMBackend:
                     entries.append((name, tuple(h.get_slice(name).get_shape()), (lambda h=h, n=name: h.get_tensor(n))))
             self._push_entries(entries, getattr(torch, self.dtype))
         self._llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self.base_sha256, self.last_sync = None, {"kind": "full"}
         return time.time() - t0
 
     def _free_shm(self) -> None:
@@ -717,7 +763,11 @@ class VLLMBackend:
         engine (sleep mode) wakes its weights first, takes the new ones, then wakes its KV cache."""
         t0 = time.time()
         self._wake_for_load()
-        if self.named_weights is not None:
+        if self.adapter is not None:  # model.lora: the adapter alone, the base stays as it is
+            self.push_adapter(self.adapter)
+        elif self.merged is not None:  # model.lora on an engine without LoRA: the adapter merged into its weights
+            self.push_merged(self.merged)
+        elif self.named_weights is not None:
             self.push_weights(self.named_weights(), self.transport)
         elif self.export_weights is not None:
             tmp = Path(tempfile.mkdtemp(prefix="vllm-sync-"))
@@ -731,6 +781,69 @@ class VLLMBackend:
         self.wake(["kv_cache"])
         self.sync_time_s = time.time() - t0
         self.syncs += 1
+
+    # -- LoRA adapters (model.lora) --------------------------------------------------------------------------
+    def push_adapter(self, source) -> float:
+        """Serve ``source``'s adapter (``runtime.backends.lora``: ``config()`` and ``tensors()``) from now on: its
+        tensors go inside the RPC message (in this process with the in-process engine; to the worker process
+        otherwise), cast to the engine's dtype, and the worker installs them as a new LoRA id replacing the old one
+        (``WorkerExtension.load_lora_tensors``); the base weights are not touched. Returns seconds taken."""
+        import torch
+
+        if not self.lora_rank:
+            raise RuntimeError("this vLLM engine was started without LoRA (lora_rank=0): it cannot serve an adapter")
+        t0 = time.time()
+        dt = getattr(torch, self.dtype)
+        name_of = str(dt).removeprefix("torch.")
+        records, nbytes = [], 0
+        for n, t in source.tensors().items():
+            t = t.detach().to("cpu", dt).contiguous()
+            records.append((n, name_of, tuple(t.shape), t.view(torch.uint8).numpy().tobytes()))
+            nbytes += t.nbytes
+        self._lora_ids += 1
+        lid = self._lora_ids
+        self._llm.collective_rpc("load_lora_tensors", args=(lid, source.config(), records))
+        self._set_lora_request(f"scalinginter-adapter-{lid}", lid, f"memory://scalinginter-adapter-{lid}")
+        self.last_sync = {"kind": "adapter", "tensors": len(records), "bytes": nbytes}
+        return time.time() - t0
+
+    def serve_adapter_folder(self, adapter_dir: str | os.PathLike) -> None:
+        """Serve the adapter saved in ``adapter_dir`` (PEFT's files): vLLM's own loader reads it at the next
+        request (a new LoRA id, so no stale copy is reused)."""
+        if not self.lora_rank:
+            raise RuntimeError("this vLLM engine was started without LoRA (lora_rank=0): it cannot serve an adapter")
+        self._lora_ids += 1
+        self._set_lora_request(f"scalinginter-adapter-{self._lora_ids}", self._lora_ids, str(adapter_dir))
+        self.last_sync = {"kind": "adapter-folder", "tensors": 0, "bytes": 0}
+
+    def clear_adapter(self) -> None:
+        """Serve the base weights alone (no LoRA request)."""
+        if self.lora_request is not None:
+            self.lora_request = None
+            self._llm.reset_prefix_cache()
+
+    def _set_lora_request(self, name: str, lid: int, path: str) -> None:
+        from vllm.lora.request import LoRARequest
+
+        self.lora_request = LoRARequest(name, lid, path)
+        self._llm.reset_prefix_cache()  # the cached blocks of the previous adapter are not this one's
+
+    def push_merged(self, source) -> float:
+        """Load ``source``'s weights with its adapter merged in (``merged_entries``: one tensor computed at a time,
+        cast into the shared segment) as full weights: for an engine that serves no LoRA. Returns seconds taken."""
+        import torch
+
+        t0 = time.time()
+        self._wake_for_load()
+        entries = source.merged_entries()
+        self._push_entries(entries, getattr(torch, self.dtype))
+        self._llm.reset_prefix_cache()
+        self.lora_request = None
+        self.base_sha256 = None  # the engine holds merged weights now, not a base
+        esize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        self.last_sync = {"kind": "merged", "tensors": len(entries),
+                          "bytes": sum(math.prod(s) for _, s, _ in entries) * esize}
+        return time.time() - t0
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -866,11 +979,12 @@ def model_signature(model_dir: str | os.PathLike) -> dict[str, Any]:
             "tokenizer": h.hexdigest()}
 
 
-def engine_settings(cfg, model_dir: str, eos_token_id: int, kv_cache_bytes: int) -> dict[str, Any]:
+def engine_settings(cfg, model_dir: str, eos_token_id: int, kv_cache_bytes: int, lora_rank: int = 0) -> dict[str, Any]:
     """Everything that defines an engine (two sessions with equal settings can share one; the weights and the
-    turn limit are per session)."""
+    turn limit are per session). ``lora_rank``: the adapter rank the engine serves (0: no LoRA)."""
     r = cfg.rollout
     return {"model": model_signature(model_dir), "eos_token_id": int(eos_token_id),
+            "lora_rank": vllm_lora_rank(lora_rank) if lora_rank else 0,
             "dtype": resolve_vllm_dtype(r.vllm_dtype), "enforce_eager": bool(r.vllm_enforce_eager),
             "max_model_len": r.token_budget + 1, "seed": cfg.seed, "threads": cfg.model.threads,
             "kv_cache_bytes": int(kv_cache_bytes), "prefix_caching": True,
@@ -919,8 +1033,89 @@ def release_kv_for(cfg) -> bool:
 
 def release_weights_for(cfg) -> bool:
     """Whether a ``RunConfig``'s engine also drops its packed weight copies while the learner updates (rebuilt by
-    the sync's load): with the KV release, unless ``rollout.vllm_release_weights`` is off."""
+    the sync's load): with the KV release, unless ``rollout.vllm_release_weights`` is off. Not with LoRA adapters
+    served as adapters (``model.lora.engine`` other than merged): the base stays loaded, only the adapter moves."""
+    lo = getattr(cfg.model, "lora", None)
+    if lo is not None and lo.enabled and lo.engine != "merged":
+        return False
     return release_kv_for(cfg) and bool(cfg.rollout.vllm_release_weights)
+
+
+# vLLM's accepted max_lora_rank values (vllm.config.lora.MaxLoRARanks)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM's engine takes (``max_lora_rank``) that holds adapters of ``rank``."""
+    for r in VLLM_LORA_RANKS:
+        if r >= rank:
+            return r
+    raise ValueError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]}): lower "
+                     "model.lora.rank")
+
+
+def engine_serves_lora(model_dir: str) -> tuple[bool, str]:
+    """Whether this vLLM build serves LoRA adapters for the model in ``model_dir``: the platform has LoRA kernels
+    (the CPU build's are PunicaWrapperCPU) and vLLM's class for the architecture supports LoRA. (yes/no, why)."""
+    from vllm.platforms import current_platform
+
+    try:
+        current_platform.get_punica_wrapper()
+    except NotImplementedError:
+        return False, f"vLLM's {current_platform.device_name} build has no LoRA kernels"
+    archs = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or []
+    try:
+        from vllm.model_executor.models import ModelRegistry
+        from vllm.model_executor.models.interfaces import supports_lora
+
+        for a in archs:
+            cls = ModelRegistry._try_load_model_cls(a)
+            if cls is not None:
+                return (True, f"{a} takes LoRA") if supports_lora(cls) else (False, f"vLLM's {a} takes no LoRA")
+    except Exception as e:  # noqa: BLE001 - a vLLM without this registry API: try adapters, the start says
+        return True, f"not checked ({type(e).__name__})"
+    return False, f"vLLM has no class for {archs}"
+
+
+@dataclass
+class LoraServing:
+    """How a session's engine serves a LoRA policy (``lora_serving``): ``mode`` adapter (a LoRA request) or merged
+    (full weights), the base folder the engine loads, the adapter ``source`` (the learner's live adapter, an adapter
+    folder, or None: the base alone) and the rank the engine is started for (0 when merged)."""
+
+    mode: str
+    base_dir: str
+    source: Any
+    rank: int
+    why: str = ""
+
+
+def lora_serving(cfg, model_dir: str, learner=None) -> "LoraServing | None":
+    """The LoRA side of a session's engine: a learner with adapters (``lora_source``), an adapter folder to score
+    (a LoRA checkpoint or export: served on its recorded base, checked by sha256), or ``model.lora`` on with a plain
+    model (the base, served by the same LoRA-ready engine the run's training sessions use). None: no LoRA."""
+    from runtime.backends.lora import FolderAdapter, base_of, is_adapter_dir
+
+    lo = cfg.model.lora
+    source = learner.lora_source() if learner is not None and hasattr(learner, "lora_source") else None
+    if source is not None:
+        base = learner.base_dir
+    elif learner is not None and not lo.enabled:  # a full learner (even one started from an adapter folder)
+        return None
+    elif is_adapter_dir(model_dir):
+        base = base_of(model_dir)
+        source = FolderAdapter(model_dir, base)
+    elif lo.enabled:
+        base = model_dir
+    else:
+        return None
+    rank = max(lo.rank, source.rank if source is not None else 0)
+    if lo.engine == "auto":
+        ok, why = engine_serves_lora(base)
+        mode = "adapter" if ok else "merged"
+    else:
+        mode, why = lo.engine, f"model.lora.engine={lo.engine}"
+    return LoraServing(mode, str(base), source, rank if mode == "adapter" else 0, why)
 
 
 def engine_in_process(cfg) -> bool:
@@ -990,6 +1185,7 @@ class EnginePool:
         with self.lock:
             if backend is self.engine:
                 backend.named_weights = backend.export_weights = None  # the session's learner can go
+                backend.adapter = backend.merged = None
                 self.busy = False
                 return
         backend.close()
@@ -1000,8 +1196,17 @@ class EnginePool:
         kept engine with other settings is shut down first)."""
         r = cfg.rollout
         dtype = resolve_vllm_dtype(r.vllm_dtype)
+        lora = lora_serving(cfg, model_dir, learner)
+        if lora is not None:  # the engine loads the base; the adapter comes as a LoRA request or merged in
+            model_dir = lora.base_dir
+        full_from_adapter = lora is None and _is_adapter_dir(model_dir)
+        if full_from_adapter:  # a full learner started from an adapter folder: the engine starts on its base
+            from runtime.backends.lora import base_of
+
+            model_dir = base_of(model_dir)
         plan = kv_plan_for(cfg, model_dir, dtype)
-        settings = engine_settings(cfg, model_dir, tokenizer.eos_token_id, plan.cache_bytes)
+        settings = engine_settings(cfg, model_dir, tokenizer.eos_token_id, plan.cache_bytes,
+                                   lora.rank if lora is not None else 0)
         with self.lock:
             held = self.engine
             if held is not None and held._llm is None:  # closed behind the pool's back
@@ -1009,14 +1214,14 @@ class EnginePool:
             if held is not None and self.busy:
                 print("warning: the run's vLLM engine is in use by another session: starting a second engine "
                       "(shut down when its session ends)", flush=True)
-                return self._start(cfg, model_dir, tokenizer, learner, dtype, plan)
+                return self._start(cfg, model_dir, tokenizer, learner, dtype, plan, lora)
             if held is not None and self.settings == settings:
                 try:
-                    secs, source = _load_session_weights(held, model_dir, learner)
+                    secs, source = _load_session_weights(held, model_dir, learner, lora)
                 except BaseException:
                     self.shutdown()  # its weights are half loaded: never hand it out again
                     raise
-                held.export_weights, held.named_weights = export_fn(learner), named_weights_fn(learner)
+                _hook_session(held, learner, lora)
                 held.sync_time_s, held.syncs = 0.0, 0
                 self.busy = True
                 self.reuses += 1
@@ -1026,25 +1231,78 @@ class EnginePool:
                 print(f"vLLM engine settings changed ({', '.join(settings_diff(self.settings, settings))}): shutting "
                       "the kept engine down and starting a new one", flush=True)
                 self.shutdown()
-            engine = self._start(cfg, model_dir, tokenizer, learner, dtype, plan)
+            engine = self._start(cfg, model_dir, tokenizer, learner, dtype, plan, lora)
             self.engine, self.settings, self.busy = engine, settings, True
+            if full_from_adapter and learner is not None:  # and gets the learner's (merged) weights
+                engine.sync_weights()
             return engine
 
-    def _start(self, cfg, model_dir: str, tokenizer, learner, dtype: str, plan) -> VLLMBackend:
-        engine = _start_engine(cfg, model_dir, tokenizer, learner, dtype, plan)
+    def _start(self, cfg, model_dir: str, tokenizer, learner, dtype: str, plan, lora=None) -> VLLMBackend:
+        engine = _start_engine(cfg, model_dir, tokenizer, learner, dtype, plan, lora)
         self.starts += 1
         return engine
 
 
-def _load_session_weights(engine: VLLMBackend, model_dir: str, learner) -> tuple[float, str]:
+def _is_adapter_dir(path: str) -> bool:
+    from runtime.backends.lora import is_adapter_dir
+
+    return is_adapter_dir(path)
+
+
+def _hook_session(engine: VLLMBackend, learner, lora: "LoraServing | None") -> None:
+    """The session's sync hooks on its engine: the learner's weights (in memory or through a folder), or with LoRA
+    the learner's adapter (adapter mode: ``sync_weights`` moves the adapter alone) or its merged weights (merged
+    mode)."""
+    adapter = lora is not None and lora.mode == "adapter"
+    engine.export_weights = None if adapter else export_fn(learner)
+    engine.named_weights = None if adapter else named_weights_fn(learner)
+    own = lora.source if lora is not None and learner is not None else None
+    engine.adapter = own if adapter else None
+    engine.merged = own if lora is not None and not adapter else None
+
+
+def _load_lora_weights(engine: VLLMBackend, lora: LoraServing) -> str:
+    """A LoRA session's weights into an engine: adapter mode loads the base only when the engine holds another one
+    (by sha256), then the adapter (or none); merged mode loads the base with the adapter merged in. Returns where
+    they came from."""
+    from runtime.backends.lora import weights_sha256
+
+    what = "the learner's adapter" if lora.source is not None and not hasattr(lora.source, "dir") else (
+        f"the adapter in {lora.source.dir}" if lora.source is not None else "no adapter")
+    if lora.mode == "adapter":
+        sha = weights_sha256(lora.base_dir)
+        if engine.base_sha256 != sha:
+            engine.load_folder(lora.base_dir)
+            engine.base_sha256 = sha
+            what += f" on the base {lora.base_dir}"
+        else:
+            what += " (base already loaded)"
+        if lora.source is not None:
+            engine.push_adapter(lora.source)
+        else:
+            engine.clear_adapter()
+        return what
+    if lora.source is not None:
+        engine.push_merged(lora.source)
+        return what + " merged into the base's weights"
+    engine.load_folder(lora.base_dir)
+    return f"the base {lora.base_dir}"
+
+
+def _load_session_weights(engine: VLLMBackend, model_dir: str, learner, lora: "LoraServing | None" = None
+                          ) -> tuple[float, str]:
     """A kept engine gets the session's weights: the learner's in memory when there is one in this process,
-    else the folder's safetensors (the same in-memory load path). Counted as weight sync in the wall-time ledger.
-    Returns (seconds, where the weights came from)."""
+    else the folder's safetensors (the same in-memory load path); with LoRA, ``_load_lora_weights``. Counted as
+    weight sync in the wall-time ledger. Returns (seconds, where the weights came from)."""
     from runtime.timing import timed
 
     named = named_weights_fn(learner)
     t0 = time.time()
     with timed("weight_sync"):
+        if lora is not None:
+            source = _load_lora_weights(engine, lora)
+            return time.time() - t0, source
+        engine.clear_adapter()
         if named is not None:
             engine.push_weights(named(), engine.transport)
         else:  # no learner, or one whose weights live in other ranks (it was loaded from this folder)
@@ -1052,7 +1310,7 @@ def _load_session_weights(engine: VLLMBackend, model_dir: str, learner) -> tuple
     return time.time() - t0, "the learner (in memory)" if named is not None else str(model_dir)
 
 
-def _start_engine(cfg, model_dir: str, tokenizer, learner, dtype: str, plan) -> VLLMBackend:
+def _start_engine(cfg, model_dir: str, tokenizer, learner, dtype: str, plan, lora=None) -> VLLMBackend:
     from core.kvcache import GiB
 
     r = cfg.rollout
@@ -1067,7 +1325,21 @@ def _start_engine(cfg, model_dir: str, tokenizer, learner, dtype: str, plan) -> 
                           tensor_parallel_size=r.tensor_parallel_size, sleep_mode=sleep_mode_for(cfg),
                           release_kv=release_kv_for(cfg), release_weights=release_weights_for(cfg),
                           export_weights=export_fn(learner),
-                          named_weights=named_weights_fn(learner), in_process=in_process)
+                          named_weights=named_weights_fn(learner), in_process=in_process,
+                          lora_rank=lora.rank if lora is not None else 0)
+    if lora is not None:
+        _hook_session(backend, learner, lora)
+        if lora.mode == "adapter":
+            from runtime.backends.lora import weights_sha256
+
+            backend.base_sha256 = weights_sha256(lora.base_dir)
+            print(f"LoRA: the vLLM engine serves the base once and the adapter (rank <= {backend.lora_rank}) as a "
+                  "LoRA request; after each update only the adapter is synced", flush=True)
+        else:
+            print(f"LoRA: the adapter is merged into the vLLM engine's weights ({lora.why}): every update syncs the "
+                  "full merged weights", flush=True)
+        if lora.source is not None:
+            _load_lora_weights(backend, lora)
     if plan.capped and is_cpu_build():
         backend.max_live_episodes = plan.live_cap
         print(f"warning: the KV cache ({plan.cache_bytes / GiB:.2f} GiB) holds {plan.fits} episodes of "
