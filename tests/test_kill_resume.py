@@ -77,11 +77,13 @@ def _alive(q: psutil.Process) -> bool:
         return False
 
 
-def run_cli(out: Path, model: Path, kill_at: str | None = None) -> tuple[int, str, list[str]]:
-    """(return code, console output, env servers it left behind after 20 s) of one run. Whatever it left is killed
-    here; other leftovers are printed: Prefect's ephemeral API server (a uvicorn child of the trainer) does not
-    watch its parent, so a SIGKILLed trainer leaves it running (flows/cli.py would have to stop it)."""
-    cmd = toy_run_cmd(out, model, NAME, SETS)
+def run_cli(out: Path, model: Path, kill_at: str | None = None, sets: list[str] | None = None
+            ) -> tuple[int, str, list[str]]:
+    """(return code, console output, env servers it left behind after 20 s) of one run (``sets``: SETS by default).
+    Whatever it left is killed here; other leftovers are printed: Prefect's ephemeral API server (a uvicorn child of
+    the trainer) does not watch its parent, so a SIGKILLed trainer leaves it running (flows/cli.py would have to stop
+    it)."""
+    cmd = toy_run_cmd(out, model, NAME, SETS if sets is None else sets)
     env = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300", **os.environ, "PYTHONPATH": str(ROOT)}
     for k in (KILL_ENV, "SCALINGINTER_FAULT_AFTER_STEP", "MLFLOW_TRACKING_URI"):
         env.pop(k, None)
