@@ -37,6 +37,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from core.evalreport import BUCKETS  # noqa: E402
 from core.stats import bootstrap_ci, seed_task_bootstrap, wilson_interval  # noqa: E402
@@ -258,14 +259,11 @@ def plot(doc: dict[str, Any], path: Path) -> None:
 
 
 def machine() -> str:
-    info = {}
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        k, _, v = line.partition(":")
-        info.setdefault(k.strip(), v.strip())
-    flags = info.get("flags", "").split()
-    feats = [f for f in ("amx_bf16", "avx512_bf16", "avx2") if f in flags][:1]
-    return (f"{os.cpu_count()} cores, {info.get('model name', '?')} (cpu family {info.get('cpu family', '?')}, model "
-            f"{info.get('model', '?')}), {', '.join(feats) or 'no bf16'}")
+    from bench_multistep import cpu_info  # the benches' one /proc/cpuinfo reader
+
+    c = cpu_info(Path("/proc/cpuinfo").read_text())
+    return (f"{os.cpu_count()} cores, {c['model_name'] or '?'} (cpu family {c['cpu_family'] or '?'}, model "
+            f"{c['model'] or '?'}), {', '.join(c['bf16_flags']) or 'no bf16'}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-TRUNCATED = ("turn_limit", "token_budget")  # core.trajectory.TRUNCATION_REASONS
+from core.trajectory import TRUNCATION_REASONS
 
 
 def has_signal(advantages: Sequence[Sequence[float]], expert_samples: int = 0) -> bool:
@@ -68,7 +68,7 @@ def mask_truncated(advantages: Sequence[Sequence[float]], finish_reasons: Sequen
     term for it, whatever its group said."""
     if len(advantages) != len(finish_reasons):
         raise ValueError(f"{len(advantages)} advantage rows but {len(finish_reasons)} finish reasons")
-    return [[0.0] * len(row) if reason in TRUNCATED else [float(x) for x in row]
+    return [[0.0] * len(row) if reason in TRUNCATION_REASONS else [float(x) for x in row]
             for row, reason in zip(advantages, finish_reasons)]
 
 

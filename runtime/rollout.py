@@ -232,9 +232,10 @@ class _Episodes:
             tr.required_turns = int(r.info["required_turns"])
         tr.start(prompt)
         if self.expert is not None:
-            tr.expert_replies = [self.ask_expert(r)]
+            tr.expert_replies = []
         if "expert_remaining_turns" in r.info:  # the env reports its expert's remaining turns (shaping's potential)
-            tr.expert_remaining = [_turns_or_none(r.info["expert_remaining_turns"])]
+            tr.expert_remaining = []
+        self.label(tr, r)
         if len(prompt) + 1 >= self.req.token_budget:
             tr.finish("token_budget")
             return False
@@ -268,10 +269,8 @@ class _Episodes:
     def apply_reply(self, i: int, r: EnvReply | Exception, g: Generation) -> bool:
         """Count the env step and apply its reply to episode ``i``'s turn (``g``); True if the episode goes on."""
         self.stats.env_steps += 1
-        if self.expert is not None and not isinstance(r, Exception) and self.trajs[i].expert_replies is not None:
-            self.trajs[i].expert_replies.append(None if r.terminated else self.ask_expert(r))
-        if not isinstance(r, Exception) and self.trajs[i].expert_remaining is not None:
-            self.trajs[i].expert_remaining.append(_turns_or_none(r.info.get("expert_remaining_turns")))
+        if not isinstance(r, Exception):
+            self.label(self.trajs[i], r)
         k = self.req.history_turns
         if k is None:
             return _apply_reply(self.trajs[i], r, self.limits[i], self.req.token_budget,
@@ -282,6 +281,14 @@ class _Episodes:
             return self.chat.window_prompt_ids(self.instructions[i], self.seen[i], self.replies[i], self.stopped[i], k)
 
         return _apply_reply(self.trajs[i], r, self.limits[i], self.req.token_budget, next_sample, new_sample=True)
+
+    def label(self, tr: Trajectory, r: EnvReply) -> None:
+        """Record what the expert says of the state ``r`` shows, where the episode records it: its reply
+        (``expert_replies``; none once the episode terminated) and its remaining turns (``expert_remaining``)."""
+        if tr.expert_replies is not None:
+            tr.expert_replies.append(None if r.terminated else self.ask_expert(r))
+        if tr.expert_remaining is not None:
+            tr.expert_remaining.append(_turns_or_none(r.info.get("expert_remaining_turns")))
 
     def ask_expert(self, r: EnvReply) -> str | None:
         """The expert's reply at the state ``r`` shows (None: it has none, or it failed: a relabel is lost, never

@@ -31,7 +31,7 @@ from core.chat import ChatFormat
 from core.config import RunConfig
 from core.metrics import episode_metrics
 from core.seeds import round_seed, step_seed
-from core.trajectory import Trajectory, join_rows, split_rows, turn_samples
+from core.trajectory import Trajectory, is_truncated, join_rows, split_rows, turn_samples
 from envs.base import task_index
 from runtime.context import Runtime, Session
 from runtime.killpoint import kill_point
@@ -189,15 +189,13 @@ def _fitting_tasks(s: Session, urls: list[str], global_step: int, rollout_round:
     turns (the env's ``info["required_turns"]`` at reset), in the seeded candidate order; a pure function of the
     position, so a resumed step draws the same. Fewer candidates fit than wanted: the rest are filled unfiltered."""
     from core.levers import fits_turns
-    from envs.agentgym import make_async_client
 
     n = s.cfg.rollout.tasks_per_step
     cands = train_tasks_for_step(s.cfg, global_step, rollout_round, n=min(n * LABEL_DRAWS, s.cfg.env.task_pool))
 
     async def labels() -> list[int]:
-        c = make_async_client(s.cfg.env.dialect, urls[0], s.cfg.env.name, s.cfg.env.request_timeout_s)
         out: list[int] = []
-        try:
+        async with env_clients(s, urls[:1]) as (c,):
             env_id = await c.create()
             try:
                 for t in cands:
@@ -209,8 +207,6 @@ def _fitting_tasks(s: Session, urls: list[str], global_step: int, rollout_round:
                             break
             finally:
                 await c.close(env_id)
-        finally:
-            await c.aclose()
         return out
 
     picked = asyncio.run(labels())  # inside the step's "rollout" time
@@ -226,6 +222,19 @@ def eval_tasks(n: int) -> list[int]:
 
 
 # --- rollout -------------------------------------------------------------------------------------------
+@contextlib.asynccontextmanager
+async def env_clients(s: Session, urls: list[str]):
+    """The run's async env clients for ``urls`` (its dialect, env and timeout), their connections closed on exit."""
+    from envs.agentgym import make_async_client
+
+    clients = [make_async_client(s.cfg.env.dialect, u, s.cfg.env.name, s.cfg.env.request_timeout_s) for u in urls]
+    try:
+        yield clients
+    finally:
+        for c in clients:
+            await c.aclose()
+
+
 async def live_cap(clients: list[Any], configured: int | None) -> tuple[list[int | None], int | None]:
     """(each server's capacity, the rollout's cap on live episodes): ``core.capacity.live_episode_cap`` over what
     the servers advertise on ``/health`` (None: unbounded, e.g. an AgentGym server or one that does not answer)."""
@@ -248,7 +257,6 @@ def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, tur
              seed: int | None = None, specs: list[Any] | None = None,
              after_turn: Callable[[int], None] | None = None,
              expert: Callable[[str, dict], "str | None"] | None = None) -> tuple[list[Trajectory], dict[str, float]]:
-    from envs.agentgym import make_async_client
     from runtime.backends.generation import SamplingParams
     from envs.sessions import PooledEpisode, ServerSlots
     from runtime.rollout import RolloutRequest, RolloutRuntime, rollout
@@ -262,8 +270,7 @@ def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, tur
     specs = req.specs
 
     async def go():
-        clients = [make_async_client(s.cfg.env.dialect, u, s.cfg.env.name, s.cfg.env.request_timeout_s) for u in urls]
-        try:
+        async with env_clients(s, urls) as clients:
             # the servers' capacities (pool sizes; AgentGym servers advertise none) cap the live episodes
             caps, cap = await live_cap(clients, s.cfg.rollout.max_live_episodes)
             kv_cap = getattr(s.backend, "max_live_episodes", None)  # what the engine's KV cache holds (vLLM)
@@ -305,9 +312,6 @@ def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, tur
 
             return await rollout(req, RolloutRuntime(s.backend, s.chat, make, cap, s.cfg.rollout.env_retries, heal,
                                                      on_round, s.cfg.rollout.async_episodes, expert))
-        finally:
-            for c in clients:
-                await c.aclose()
 
     trajs, stats = asyncio.run(go())
     metrics = {**episode_metrics(trajs), **stats.as_metrics()}
@@ -318,7 +322,7 @@ def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, tur
 @timed("rollout")
 def rollout_batch(key: str, urls: list[str], global_step: int, turn_limit: int) -> Batch:
     """The step's episodes: its tasks (a function of the global step), ``samples_per_task`` each, at ``turn_limit``."""
-    from core.levers import group_has_variance, keep_groups
+    from core.levers import keep_groups
 
     s = get_session(key)
     r = s.cfg.rollout
@@ -343,11 +347,11 @@ def rollout_batch(key: str, urls: list[str], global_step: int, turn_limit: int) 
 
     trajs, metrics = one_round(0)
     if r.dynamic_sampling_rounds:  # drop groups without reward variance, refill with fresh tasks (DAPO)
-        rounds, flags = [trajs], [_variance_flags(trajs, group_has_variance)]
+        rounds, flags = [trajs], [_variance_flags(trajs)]
         while sum(map(sum, flags)) < r.tasks_per_step and len(rounds) <= r.dynamic_sampling_rounds:
             more, m = one_round(len(rounds))
             rounds.append(more)
-            flags.append(_variance_flags(more, group_has_variance))
+            flags.append(_variance_flags(more))
             for k in ("rollout_time_s", "generated_tokens", "retried_episodes", "recovered_episodes",
                       "env_servers_replaced", "expert_groups"):
                 metrics[k] = metrics.get(k, 0.0) + m.get(k, 0.0)
@@ -380,10 +384,8 @@ def with_expert_episodes(s: Session, urls: list[str], trajs: list[Trajectory],
     Returns the trajectories and how many groups got one."""
     from core.levers import all_failed
 
-    groups: dict[int, list[Trajectory]] = {}
-    for t in trajs:
-        groups.setdefault(t.group_id, []).append(t)
-    failed = [g for g, ts in sorted(groups.items()) if all_failed([t.success for t in ts], [t.masked for t in ts])]
+    groups = _by_group(trajs)
+    failed = [g for g, ts in groups.items() if all_failed([t.success for t in ts], [t.masked for t in ts])]
     if not failed:
         return trajs, 0.0
     demos = _expert_episodes(s, urls, [groups[g][0].task_id for g in failed], turn_limit)
@@ -400,33 +402,35 @@ def with_expert_episodes(s: Session, urls: list[str], trajs: list[Trajectory],
 def _expert_episodes(s: Session, urls: list[str], task_ids: list[int], turn_limit: int) -> list[Trajectory | None]:
     """The env expert's episode of each task (None where it did not succeed within ``turn_limit``), through the run's
     env servers and chat framing (``tasks.demos.collect_demos_async``)."""
-    from envs.agentgym import make_async_client
     from envs.sessions import PooledEpisode, ServerSlots
     from tasks.demos import collect_demos_async, expert_for
 
     async def go():
-        clients = [make_async_client(s.cfg.env.dialect, u, s.cfg.env.name, s.cfg.env.request_timeout_s) for u in urls]
-        try:
+        async with env_clients(s, urls) as clients:
             caps, _ = await live_cap(clients, s.cfg.rollout.max_live_episodes)
             slots = ServerSlots(clients, caps)
             return await collect_demos_async(task_ids, lambda i: PooledEpisode(slots), expert_for(s.cfg.env.name),
                                              s.chat, turn_limit, s.cfg.rollout.max_new_tokens,
                                              s.cfg.rollout.token_budget)
-        finally:
-            for c in clients:
-                await c.aclose()
 
     res = asyncio.run(go())
     by_task = {t.task_id: t for t in res.trajectories}
     return [by_task.pop(t, None) for t in task_ids]
 
 
-def _variance_flags(trajs: list[Trajectory], has_variance: Callable[..., bool]) -> list[bool]:
-    """Per group id (0..G-1, the rollout's order), whether its live samples' rewards differ."""
+def _by_group(trajs: list[Trajectory]) -> dict[int, list[Trajectory]]:
+    """The trajectories per group id, in group-id order (a rollout numbers its groups 0..G-1)."""
     groups: dict[int, list[Trajectory]] = {}
     for t in trajs:
         groups.setdefault(t.group_id, []).append(t)
-    return [has_variance([t.reward for t in groups[g]], [t.masked for t in groups[g]]) for g in sorted(groups)]
+    return dict(sorted(groups.items()))
+
+
+def _variance_flags(trajs: list[Trajectory]) -> list[bool]:
+    """Per group (in group-id order), whether its live samples' rewards differ (``core.levers.group_has_variance``)."""
+    from core.levers import group_has_variance
+
+    return [group_has_variance([t.reward for t in ts], [t.masked for t in ts]) for ts in _by_group(trajs).values()]
 
 
 def _expert(cfg: RunConfig) -> Callable[[str, dict], "str | None"] | None:
@@ -475,8 +479,7 @@ def compute_advantages(key: str, batch: Batch) -> Advantages:
         from core.levers import mask_truncated
 
         advantages = mask_truncated(advantages, [t.finish_reason for t in trajs])
-        stats["truncated_masked"] = float(sum(t.finish_reason in ("turn_limit", "token_budget") and not t.masked
-                                              for t in trajs))
+        stats["truncated_masked"] = float(sum(is_truncated(t) and not t.masked for t in trajs))
         stats["episodes_with_signal"] = float(sum(1 for row in advantages if any(x != 0 for x in row)))
     return Advantages(advantages, returns, prepared, stats)
 
@@ -554,7 +557,7 @@ def policy_update(key: str, batch: Batch, adv: Advantages, global_step: int | No
         relabels = expert_samples(s, batch.trajectories)
         expert = (relabels, coef) if relabels and coef > 0 else None
     if a.skip_no_signal and not has_signal(adv.advantages, len(expert[0]) if expert else 0):
-        print(f"  no advantage and no expert relabel in this batch: update skipped (weights and optimizer unchanged)")
+        print("  no advantage and no expert relabel in this batch: update skipped (weights and optimizer unchanged)")
         return {"skipped": 1.0, "expert_samples": 0.0}
     samples, where = turn_samples(batch.trajectories)  # the sequences ``compute_advantages`` prepared, in its order
     if hasattr(s.backend, "sleep"):  # vLLM sleep mode: the engine frees the GPU for the update (no-op otherwise)

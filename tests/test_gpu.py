@@ -147,6 +147,8 @@ def _fake_backend(sleep_mode: bool, release_kv: bool = False, release_weights: b
     b._llm, b.sleep_mode, b._asleep_tags, b.sleeps = _FakeLLM(), sleep_mode, set(), 0
     b.release_kv, b.release_weights = release_kv, release_weights
     b.dtype, b.transport, b._shm, b.syncs, b.export_weights = "float32", "rpc", None, 0, None
+    b.adapter = b.merged = b.lora_request = None  # model.lora off: full weights are synced
+    b.lora_rank, b._lora_ids, b.last_sync = 0, 0, {}
     w = torch.nn.Linear(2, 2)
     b.named_weights = lambda: w.named_parameters()
     return b

@@ -111,15 +111,16 @@ class Critic:
         d = Path(directory) / "critic"
         d.mkdir(parents=True, exist_ok=True)
         torch.save(self.net.state_dict(), d / "model.pt")
+        self._save_optimizer(d)
+
+    def _save_optimizer(self, d: Path) -> None:
+        """The optimizer's state keyed by parameter name (``d/optimizer.pt``)."""
         names = {id(p): n for n, p in self.net.named_parameters()}
         torch.save({names[id(p)]: self.opt.state[p] for g in self.opt.param_groups for p in g["params"]
                     if p in self.opt.state}, d / "optimizer.pt")
 
-    def load(self, directory: Path) -> bool:
-        d = Path(directory) / "critic"
-        if not (d / "model.pt").exists():
-            return False
-        self.net.load_state_dict(load_plain(d / "model.pt", map_location="cpu"))
+    def _load_optimizer(self, d: Path) -> None:
+        """The optimizer's state from ``d/optimizer.pt`` where there is one, onto the parameters of the same names."""
         if (d / "optimizer.pt").exists():
             from runtime.backends.learner import optimizer_state_on
 
@@ -127,4 +128,11 @@ class Critic:
             for n, st in load_plain(d / "optimizer.pt", map_location="cpu").items():
                 if n in by_name:
                     self.opt.state[by_name[n]] = optimizer_state_on(st, by_name[n].device)
+
+    def load(self, directory: Path) -> bool:
+        d = Path(directory) / "critic"
+        if not (d / "model.pt").exists():
+            return False
+        self.net.load_state_dict(load_plain(d / "model.pt", map_location="cpu"))
+        self._load_optimizer(d)
         return True

@@ -665,23 +665,36 @@ class TorchLearner:
         if not rows or denom <= 0:
             return
         saved, self.cfg = self.cfg, dataclasses.replace(self.cfg, temperature=1.0)
-        nll = 0.0
         try:
-            for s, e in self._micro([len(ids) for ids, _, _ in rows]):
-                part = rows[s:e]
-                ids, att = self._pad([r[0] for r in part])
-                mask = self._dev(pad_rows([r[1] for r in part], ids.shape[1]))
-                self._checkpoint_for(ids.numel())
-                logp, _ = self._token_logp(self.model, ids, att, need=mask.bool(), groups=[r[2] for r in part])
-                loss, st = nll_loss(logp, mask, denom)
-                self._backward(coef * loss)
-                nll += st["nll"]
-                tally.n_tokens += int(att.sum())
+            parts = self._nll_backward([r[0] for r in rows], [r[1] for r in rows], denom, scale=coef,
+                                       groups=[r[2] for r in rows])
         finally:
             self.cfg = saved
+        nll = 0.0
+        for st in parts:
+            nll += st["nll"]
+            tally.n_tokens += st["attended"]
         for k, v in (("expert_nll", nll), ("expert_samples", float(len(rows))), ("expert_tokens", float(denom)),
                      ("expert_coef", float(coef))):
             tally.agg.setdefault(k, []).append(v)
+
+    def _nll_backward(self, seqs: list[list[int]], masks: list[list[int]], denom: float, scale: float = 1.0,
+                      groups: list[int] | None = None) -> list[dict[str, float]]:
+        """Forward and backward, a micro-batch at a time, of ``scale`` x the NLL of the masked-in tokens of ``seqs``
+        divided by ``denom`` (``core.losses.nll_loss``; the whole batch's token count makes the micro-batches add up
+        to its token-mean), gradients accumulated. Returns each micro-batch's ``nll_loss`` stats with the tokens
+        it attended (``attended``)."""
+        out = []
+        for s, e in self._micro([len(x) for x in seqs]):
+            ids, att = self._pad(seqs[s:e])
+            mask = self._dev(pad_rows(masks[s:e], ids.shape[1]))
+            self._checkpoint_for(ids.numel())
+            logp, _ = self._token_logp(self.model, ids, att, need=mask.bool(),
+                                       groups=None if groups is None else groups[s:e])
+            loss, st = nll_loss(logp, mask, denom)
+            self._backward(scale * loss)
+            out.append({**st, "attended": int(att.sum())})
+        return out
 
     def _mini_batches(self, n_live: int) -> Iterator[list[int]]:
         """The update's mini-batches (positions in ``Prepared.live``), epoch after epoch: exactly ``mini_batches``
@@ -827,14 +840,8 @@ class TorchLearner:
                     batch = order[b0:b0 + batch_size]
                     denom = sum(trajs[i].num_policy_tokens for i in batch)
                     self._zero_grad()
-                    for s, e in self._micro([len(trajs[i].token_ids) for i in batch]):
-                        idx = batch[s:e]
-                        ids, att = self._pad([trajs[i].token_ids for i in idx])
-                        mask = self._dev(pad_rows([trajs[i].loss_mask for i in idx], ids.shape[1]))
-                        self._checkpoint_for(ids.numel())
-                        logp, _ = self._token_logp(self.model, ids, att, need=mask.bool())
-                        loss, st = nll_loss(logp, mask, denom)
-                        self._backward(loss)
+                    for st in self._nll_backward([trajs[i].token_ids for i in batch],
+                                                 [trajs[i].loss_mask for i in batch], denom):
                         nll_sum += st["nll"] * denom
                         n_tok += int(st["tokens"])
                     norms.append(self._step())

@@ -499,13 +499,10 @@ class LoraCritic(_critic_base()):
     def save(self, directory: Path) -> None:
         d = Path(directory) / "critic"
         d.mkdir(parents=True, exist_ok=True)
-        names = {id(p): n for n, p in self.net.named_parameters()}
         torch.save({n: p.detach() for n, p in self.net.named_parameters() if p.requires_grad}, d / "model.pt")
-        torch.save({names[id(p)]: self.opt.state[p] for g in self.opt.param_groups for p in g["params"]
-                    if p in self.opt.state}, d / "optimizer.pt")
+        self._save_optimizer(d)
 
     def load(self, directory: Path) -> bool:
-        from runtime.backends.learner import optimizer_state_on
         from runtime.backends.safe_load import load_plain
 
         d = Path(directory) / "critic"
@@ -520,10 +517,7 @@ class LoraCritic(_critic_base()):
         with torch.no_grad():
             for n, t in saved.items():
                 by_name[n].copy_(t)
-        if (d / "optimizer.pt").exists():
-            for n, st in load_plain(d / "optimizer.pt", map_location="cpu").items():
-                if n in by_name:
-                    self.opt.state[by_name[n]] = optimizer_state_on(st, by_name[n].device)
+        self._load_optimizer(d)
         return True
 
 
