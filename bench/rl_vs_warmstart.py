@@ -69,6 +69,9 @@ ARMS: dict[str, list[str]] = {
     "+g8": RECIPE + ["rollout.tasks_per_step=2", "rollout.samples_per_task=8"],
     "+nostd": RECIPE + ["algo.normalize_std=false"],
     "filtered-bc": ["algo.estimator=filtered-bc"] + STOP_DRIFT + EXPERT + FIT,
+    # rejection-sampling fine-tuning: every success is imitated (tasks the warm start solves are rehearsed, not left
+    # without gradient as in a group-relative estimator's all-success groups), all-fail groups get the expert's episode
+    "rft": ["algo.estimator=filtered-bc", "algo.lr=1e-5", "algo.kl_coef=0.05", "algo.expert_groups=true"] + FIT,
 }
 DIAG = ("diag/zero_adv_group_frac", "expert_groups", "dyn/first_round_zero_var_frac", "dyn/groups_dropped", "train/skipped",
         "train/expert_samples", "train/expert_nll", "train/entropy", "train/kl", "diag/repeated_action_rate",

@@ -386,9 +386,10 @@ class AlgoConfig(_Strict):
             raise ValueError(f"algo.gamma does nothing for {self.estimator!r} (a sequence-level outcome "
                              "estimator): use ppo, reinforce++ or gigpo (or grpo with algo.discount=turn), or leave "
                              "algo.gamma at 1.0")
-        if self.expert_groups and self.estimator not in ("grpo", "rloo", "gigpo"):
-            raise ValueError(f"algo.expert_groups completes groups of a group-relative estimator (grpo, rloo, gigpo), "
-                             f"not {self.estimator!r}: drop algo.expert_groups or change algo.estimator")
+        if self.expert_groups and self.estimator not in ("grpo", "rloo", "gigpo", "filtered-bc"):
+            raise ValueError(f"algo.expert_groups completes groups of a group-relative estimator (grpo, rloo, gigpo) "
+                             f"or filtered-bc's successes, not {self.estimator!r}: drop algo.expert_groups or change "
+                             "algo.estimator")
         if self.expert_coef == 0 and (self.expert_decay != "none" or self.expert_turns != 1):
             raise ValueError("algo.expert_decay / algo.expert_turns shape the expert term, which is off "
                              "(algo.expert_coef=0): set algo.expert_coef > 0 or drop them")

@@ -149,6 +149,10 @@ def test_config_refuses_levers_that_cannot_apply(monkeypatch):
                                             "rollout.dynamic_sampling_rounds=2", "algo.skip_no_signal=true",
                                             "algo.truncated=mask", "rollout.task_filter=fits_turns"])
     assert cfg.algo.expert_coef == 0.2 and cfg.rollout.dynamic_sampling_rounds == 2
+    with pytest.raises(ConfigError, match="expert_groups.*reinforce"):
+        build_config("babyai", overrides=["algo.expert_groups=true", "algo.estimator=reinforce++"])
+    for est in ("grpo", "filtered-bc"):  # a group's successes, or filtered-bc's: the expert's episode is one of them
+        assert build_config("babyai", overrides=["algo.expert_groups=true", f"algo.estimator={est}"]).algo.expert_groups
 
     def no_expert(env):
         raise tasks.demos.DemoError(f"env {env!r} has no scripted expert")
