@@ -24,20 +24,23 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from core.evalreport import BUCKETS, required_turns_bucket
 from core.stats import mcnemar_exact, wilson_interval
 
-ARMS = ("scalinginter", "fixed-short", "fixed-long", "scalinginter-gigpo")
+ARMS = ("scalinginter", "fixed-short", "fixed-long", "scalinginter-gigpo", "scalinginter-fit")
 DEFAULT_ARMS = ("scalinginter", "fixed-short", "fixed-long")  # the study command's --arms default
-_OVERRIDES = {"scalinginter-gigpo": ("algo.estimator=gigpo",)}  # needs rollout.samples_per_task >= 2 (groups)
+_OVERRIDES = {"scalinginter-gigpo": ("algo.estimator=gigpo",),  # needs rollout.samples_per_task >= 2 (groups)
+              "scalinginter-fit": ("rollout.task_filter=fits_turns",)}  # needs an env with a scripted expert
 ARM_HELP = {  # what each arm is, for the command's --help
     "scalinginter": "the preset's curriculum as given: turn limits growing phase by phase (e.g. 3 -> 6 -> 10)",
     "fixed-short": "every phase at the first phase's turn limit (same steps and episodes)",
     "fixed-long": "every phase at the last phase's turn limit (same steps and episodes)",
     "scalinginter-gigpo": "the ScalingInter curriculum trained with GiGPO (algo.estimator=gigpo: the episode "
                           "advantage plus a step advantage among the group's turns from the same observation)",
+    "scalinginter-fit": "the ScalingInter curriculum with each phase's training tasks matched to its limit: drawn among "
+                        "those the env's expert solves within the phase's turn limit (rollout.task_filter=fits_turns)",
 }
 
 
@@ -51,7 +54,7 @@ def arm_phases(phases: list[dict], arm: str) -> list[dict]:
     if not phases:
         raise ValueError("the study needs a curriculum with at least one phase")
     _check_arm(arm)
-    if arm in ("scalinginter", "scalinginter-gigpo"):
+    if arm.startswith("scalinginter"):  # scalinginter, -gigpo, -fit: the curriculum's own limits
         limit = None
     elif arm == "fixed-short":
         limit = phases[0]["turn_limit"]
@@ -87,6 +90,17 @@ def comparison_pairs(arms: Iterable[str]) -> list[tuple[str, str]]:
     if "scalinginter-gigpo" in arms:
         out += [("scalinginter-gigpo", b) for b in ("fixed-long", "fixed-short") if b in arms]
     return out
+
+
+def rescore_agreement(first: Sequence[float], second: Sequence[float]) -> dict[str, Any]:
+    """The same model scored twice on the same tasks: how many tasks got the same outcome (per-task success, greedy:
+    0 or 1), which did not (their positions), and both rates."""
+    if len(first) != len(second):
+        raise ValueError(f"a re-score covers the same tasks: {len(first)} outcomes vs {len(second)}")
+    differ = [i for i, (a, b) in enumerate(zip(first, second)) if abs(float(a) - float(b)) > 1e-12]
+    n = len(first)
+    return {"tasks": n, "same": n - len(differ), "agreement": (n - len(differ)) / n if n else 1.0, "differ": differ,
+            "first": sum(first) / n if n else 0.0, "second": sum(second) / n if n else 0.0}
 
 
 @dataclass(frozen=True)

@@ -200,6 +200,9 @@ def evaluate(a: argparse.Namespace, ref: str, label: str, budgets: list[int], en
                         "--experiment", a.experiment]
         if env_options is not None:
             cmd += ["--set", f"env.options={json.dumps(env_options)}"]
+        # lock-step rounds: each generation call's batch is fixed by the tasks and the outcomes so far, not by the
+        # timing of env replies, so the same checkpoint on the same tasks gets the same greedy replies
+        cmd += ["--set", "rollout.async_episodes=false"]
         for s in a.set:  # how to generate (backend, engine settings, model) is the same as in training
             if s.startswith(EVAL_KEYS):
                 cmd += ["--set", s]
@@ -243,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
                          "(scalinginter warmstart), every arm and the base row start from it")
     ap.add_argument("--warmstart-epochs", type=int, default=None, help="epochs of the warm start")
     ap.add_argument("--warmstart-lr", type=float, default=1e-5, help="learning rate of the warm start")
+    ap.add_argument("--no-rescore", dest="rescore", action="store_false",
+                    help="skip the re-score check (default: the starting model is scored a second time on the same "
+                         "tasks and the report gives the share of tasks with the same outcome)")
     ap.add_argument("--keep-checkpoints", action="store_true", help="keep the runs' checkpoints (default: delete "
                                                                      "them once scored; ~0.5-1.6 GB each)")
     a = ap.parse_args(argv)
@@ -286,6 +292,12 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     print(f"starting model (every arm and the base row): {describe_start(start_model)}", flush=True)
     base = evaluate(a, cfg.model.path, "base", budgets, cfg.env.options, mnt)
+    rescore = None
+    if a.rescore:  # the same model on the same tasks again: does the held-out evaluation give the same answer?
+        again = evaluate(a, cfg.model.path, "base-rescore", budgets, cfg.env.options, mnt)
+        rescore = rescore_report(base, again, budgets)
+        print("re-score of the starting model: " + "; ".join(
+            f"{b} turns {r['same']}/{r['tasks']} tasks the same" for b, r in rescore["budgets"].items()), flush=True)
     runs = []
     for seed in range(a.first_seed, a.first_seed + a.seeds):
         for arm in arms:
@@ -297,8 +309,21 @@ def main(argv: list[str] | None = None) -> int:
                 _drop_checkpoints(Path(a.output_dir).resolve() / "checkpoints" / r["run_name"])
     report = build_report(a, arms, phases, budgets, base, runs, time.time() - t_start)
     report["start_model"] = start_model
+    if rescore is not None:
+        report["rescore"] = rescore
     write_outputs(a, report)
     return 0
+
+
+def rescore_report(first: dict[str, Any], second: dict[str, Any], budgets: list[int]) -> dict[str, Any]:
+    """Two evaluations of one model on the same tasks: per budget, the share of tasks with the same outcome."""
+    from core.study import rescore_agreement
+
+    if first["task_ids"] != second["task_ids"]:
+        raise SystemExit("the re-score ran on other tasks than the first score: pass a fresh --output-dir")
+    return {"model": "base", "lock_step": True,
+            "budgets": {str(b): rescore_agreement(per_task_success(first, b), per_task_success(second, b))
+                        for b in budgets}}
 
 
 def absolute_model_path(overrides: list[str]) -> list[str]:
@@ -663,6 +688,9 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
         report["task_ids"] = first["task_ids"]
     if labels:
         report["task_required_turns"] = labels
+    rescores = [r["rescore"] for r in reports if r.get("rescore")]
+    if rescores:
+        report["rescore"] = rescores[0] if len(rescores) == 1 else {"parts": rescores}
     for arm, out in arms_out.items():
         health = [h for r in reports for h in r["arms"][arm].get("per_seed") or []]
         if len(health) == len(out["per_seed_per_task"]):
@@ -726,6 +754,11 @@ def table(report: dict[str, Any]) -> str:
                 f"{k} {_diff(x)}" for k, x in (e.get("buckets") or {}).items()]
             if parts:
                 lines.append(f"    at {b} turns: " + "; ".join(parts))
+    for rs in ([report["rescore"]] if "budgets" in report.get("rescore", {}) else
+               report.get("rescore", {}).get("parts", [])):
+        lines.append("re-score (the starting model scored twice, same tasks, lock-step greedy): " + "; ".join(
+            f"{b} turns {r['same']}/{r['tasks']} tasks the same ({r['first']:.3f} vs {r['second']:.3f})"
+            for b, r in rs["budgets"].items()))
     lines.append("sweep (held-out success by turn budget): " + "; ".join(
         f"{arm} " + ", ".join(f"{b}:{v:.2f}" for b, v in r["sweep"].items()) for arm, r in report["arms"].items()))
     labels = report.get("task_required_turns")

@@ -227,7 +227,8 @@ class _Stop(Exception):
     pass
 
 
-@pytest.mark.parametrize("arm", ["scalinginter", "fixed-short", "fixed-long", "scalinginter-gigpo"])
+@pytest.mark.parametrize("arm", ["scalinginter", "fixed-short", "fixed-long", "scalinginter-gigpo",
+                                 "scalinginter-fit"])
 def test_train_arm_command_gives_the_arm_its_curriculum_and_overrides(tmp_path, monkeypatch, arm):
     """The ``scalinginter run`` command of an arm, read back as the run reads it: the arm's turn limits and
     overrides win over the user's ``--set`` (which may set the curriculum the arms derive from)."""
@@ -257,6 +258,7 @@ def test_train_arm_command_gives_the_arm_its_curriculum_and_overrides(tmp_path, 
     assert cfg.algo.estimator == ("gigpo" if arm == "scalinginter-gigpo" else "grpo")
     assert cfg.seed == 0 and cfg.eval.turn_limit == 3 and cfg.eval.n == 4 and cfg.eval.each_phase
     assert cmd[cmd.index("--run-name") + 1] == f"study-babyai-{arm}-s0"
+    assert cfg.rollout.task_filter == ("fits_turns" if arm == "scalinginter-fit" else "none")
 
 @pytest.mark.slow
 def test_learning_study_toy(tmp_path):
@@ -384,3 +386,30 @@ def test_report_gives_seed_level_intervals_and_per_run_health():
     merged = ls.merge_reports([_report([0]), _report([1])])
     assert merged["arms"]["scalinginter"]["ci95_seed_task"] == si["ci95_seed_task"]
     assert [h["seed"] for h in merged["arms"]["scalinginter"]["per_seed"]] == [0, 1]
+
+
+def test_the_study_evaluates_lock_step_and_reports_the_rescore(tmp_path, monkeypatch):
+    """Every held-out evaluation of the study runs lock-step (a generation batch fixed by the tasks and outcomes,
+    not by env timing); the starting model's second score is compared task by task and shown in the table."""
+    ls = _bench()
+    seen = []
+
+    def fake_run(cmd, log, label):
+        seen.append(cmd)
+        raise _Stop
+
+    monkeypatch.setattr(ls, "_run_logged", fake_run)
+    a = argparse.Namespace(env="babyai", set=["rollout.vllm_dtype=bfloat16"], output_dir=str(tmp_path), eval_n=8,
+                           experiment="e")
+    with pytest.raises(_Stop):
+        ls.evaluate(a, "/m", "base", [2, 4], None, 16)
+    sets = [seen[0][i + 1] for i, x in enumerate(seen[0]) if x == "--set"]
+    assert "rollout.async_episodes=false" in sets and "rollout.vllm_dtype=bfloat16" in sets
+
+    again = {4: [0, 0, 0, 1, 0, 0, 1, 1], 2: list(BASE[2])}  # task 6 flips at 4 turns
+    rs = ls.rescore_report(_doc(BASE, LABELS, "/m"), _doc(again, LABELS, "/m"), [2, 4])
+    assert rs["budgets"]["2"]["same"] == 8 and rs["budgets"]["4"]["same"] == 7 and rs["budgets"]["4"]["differ"] == [6]
+    rep = {**_report([0]), "rescore": rs}
+    assert "re-score (the starting model scored twice" in ls.table(rep) and "4 turns 7/8 tasks the same" in ls.table(rep)
+    merged = ls.merge_reports([rep, {**_report([1]), "rescore": rs}])
+    assert merged["rescore"] == {"parts": [rs, rs]} and ls.table(merged).count("re-score") == 2

@@ -297,3 +297,25 @@ def test_every_arm_is_explained_in_the_commands_help():
     assert out.returncode == 0 and "usage: scalinginter study" in out.stdout
     for arm in ARMS:
         assert f"  {arm} " in out.stdout
+
+
+def test_fit_arm_is_the_scalinginter_curriculum_on_tasks_that_fit_each_phase():
+    from core.config import build_config
+    from core.study import arm_overrides
+    from envs.babyai.presets import PRESETS
+
+    assert arm_phases(PHASES, "scalinginter-fit") == PHASES
+    assert arm_overrides("scalinginter-fit") == ["rollout.task_filter=fits_turns"]
+    cfg = build_config("babyai", "multistep", arm_overrides("scalinginter-fit"), presets=PRESETS)
+    assert cfg.rollout.task_filter == "fits_turns" and cfg.algo.estimator == "grpo"
+
+
+def test_rescore_agreement_by_hand():
+    from core.study import rescore_agreement
+
+    r = rescore_agreement([1, 0, 1, 1, 0], [1, 1, 1, 0, 0])
+    assert r["tasks"] == 5 and r["same"] == 3 and r["differ"] == [1, 3] and r["agreement"] == 3 / 5
+    assert r["first"] == 3 / 5 and r["second"] == 3 / 5  # equal rates can hide two flipped tasks
+    assert rescore_agreement([0.5, 1.0], [0.5, 1.0])["agreement"] == 1.0
+    with pytest.raises(ValueError, match="same tasks"):
+        rescore_agreement([1, 0], [1])
