@@ -210,6 +210,28 @@ class RolloutConfig(_Strict):
                                      "Ignored by the CPU build (see vllm_kv_cache_gb).")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM on GPUs: shard the engine over this many GPUs "
                                                            "(1 on the CPU build).")
+    engines: int = Field(
+        1, ge=1, description="vLLM: data-parallel rollout engines, each its own engine process with its own copy of "
+                             "the weights and KV cache (each sized for its share of the batch) and tensor_parallel_size "
+                             "GPUs. Every episode goes to the engine with the most free KV-cache room and stays there "
+                             "for its later turns; after each update every engine loads the same weights "
+                             "(engine_sync) and each engine's weight version is checked before a rollout uses it. "
+                             "An engine that dies hands its turns in flight to the others. On the CPU build the "
+                             "machine's cores are split between the engines. 1: the single engine.")
+    engine_hosts: list[str] = Field(
+        default_factory=list, description="Other machines for rollout engines, as HOST:GPUS (HOST alone: a CPU "
+                                          "host). Engines fill the run's machine first (when it has GPUs or no host is "
+                                          "named), then these in order; --dry-run shows the layout and refuses one "
+                                          "that cannot be (e.g. more tensor-parallel GPUs than a host has). The run "
+                                          "itself starts engines on its own machine only: it refuses a layout that "
+                                          "needs these hosts.")
+    engine_sync: Literal["auto", "memory", "folder", "broadcast"] = Field(
+        "auto", description="How engines get the learner's weights after each update when rollout.engines > 1: "
+                            "memory (written once into shared memory on this machine; every engine loads from it), "
+                            "folder (the learner writes an HF folder once; every engine reloads from it: the path for "
+                            "engines that share a file system), broadcast (GPUs: an NCCL group of the learner and every "
+                            "engine worker, the learner broadcasts each tensor: vLLM's RLHF weight-update route). "
+                            "auto: memory.")
     vllm_sleep: bool | None = Field(
         None, description="vLLM sleep mode: the engine offloads its weights and drops its KV cache while the "
                           "learner updates (sleep level 1) and wakes before the weight sync and the next rollout, so "
@@ -557,6 +579,19 @@ class RunConfig(_Strict):
                              "rollout.vllm_in_process=true")
         if r.vllm_sleep and r.backend != "vllm":
             raise ValueError("rollout.vllm_sleep is vLLM's sleep mode: set rollout.backend=vllm or drop it")
+        if (r.engines > 1 or r.engine_hosts) and r.backend != "vllm":
+            raise ValueError("rollout.engines / rollout.engine_hosts run several vLLM engines: set rollout.backend=vllm "
+                             "or leave rollout.engines at 1")
+        if r.engines > 1 and r.vllm_in_process is True:
+            raise ValueError("rollout.engines > 1 runs each engine in its own processes: drop "
+                             "rollout.vllm_in_process=true")
+        if r.engines > 1 and self.model.lora.enabled:
+            raise ValueError("rollout.engines > 1 syncs full weights to every engine; LoRA adapters are served by one "
+                             "engine only: set rollout.engines=1 or model.lora.rank=0")
+        for h in r.engine_hosts:
+            from core.engines import parse_engine_host
+
+            parse_engine_host(h)
         if self.learner.nodes > 1 and r.backend != "vllm":
             raise ValueError("a DeepSpeed learner across nodes shares no model with the generator: set "
                              "rollout.backend=vllm")

@@ -54,6 +54,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from runtime.backends.generation import Generation, SamplingParams
 from runtime.backends.hardware import resolve_vllm_dtype
+from runtime.backends.weight_broadcast import EngineWeightsWorker
 
 TCMALLOC_CANDIDATES = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
                        "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc_minimal.so.4")
@@ -80,13 +81,14 @@ def find_tcmalloc() -> str | None:
     return hits[0] if hits else None
 
 
-def cpu_env(threads: int | None = None) -> dict[str, str]:
+def cpu_env(threads: int | None = None, cores: str | None = None) -> dict[str, str]:
     """Environment for the CPU engine process: thread binding, tcmalloc. Pure (no side effects). The KV cache
     size goes to the engine as ``kv_cache_memory_bytes`` (any fraction of a GiB; vLLM's legacy
-    ``VLLM_CPU_KVCACHE_SPACE`` takes whole GiB only, and still wins when a caller sets it)."""
+    ``VLLM_CPU_KVCACHE_SPACE`` takes whole GiB only, and still wins when a caller sets it). ``cores`` ("2-3"):
+    bind to these cores instead of the first ``threads`` (one of several engines, ``rollout.engines``)."""
     n = threads or os.cpu_count() or 1
     env = {
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}" if n > 1 else "0",
+        "VLLM_CPU_OMP_THREADS_BIND": cores or (f"0-{n - 1}" if n > 1 else "0"),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     }
     tc = find_tcmalloc()
@@ -150,8 +152,9 @@ def _uncache_vllm_envs() -> None:
         pass
 
 
-class WorkerExtension:
-    """Methods added to vLLM's workers (``worker_extension_cls``), called through ``collective_rpc``."""
+class WorkerExtension(EngineWeightsWorker):
+    """Methods added to vLLM's workers (``worker_extension_cls``), called through ``collective_rpc`` (with the weight
+    version and broadcast ones of ``weight_broadcast.EngineWeightsWorker``)."""
 
     def _load_pairs(self, pairs) -> int:
         """In-place reload from ``(hf_name, tensor)`` pairs through vLLM's own reload path (stacked q/k/v and
@@ -430,6 +433,7 @@ class VLLMBackend:
         transport: str = "shm",
         in_process: bool = False,
         lora_rank: int = 0,
+        cpu_cores: str | None = None,
     ):
         self.model_path = str(model_path)
         self.eos_token_id = int(eos_token_id)
@@ -476,7 +480,7 @@ class VLLMBackend:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             _uncache_vllm_envs()  # vLLM caches its env vars once an engine starts: read this one afresh
         if cpu:  # read by the engine core (a child process, or this one in-process): set here, restored afterwards
-            for k, v in cpu_env(threads).items():
+            for k, v in cpu_env(threads, cpu_cores).items():
                 saved[k] = os.environ.get(k)
                 if k == "LD_PRELOAD" and saved[k]:
                     v = f"{v}:{saved[k]}" if v not in saved[k] else saved[k]
@@ -927,6 +931,7 @@ def kv_plan_for(cfg, model_dir: str, dtype: str):
     episodes = max(r.tasks_per_step * r.samples_per_task, cfg.eval.n)
     if r.max_live_episodes is not None:
         episodes = min(episodes, r.max_live_episodes)
+    episodes = -(-episodes // r.engines)  # rollout.engines: each engine's cache holds its share of the batch
     fixed = None if r.vllm_kv_cache_gb is None else int(r.vllm_kv_cache_gb * GiB)
     return plan_kv_cache(episodes, r.token_budget + 1, model_kv_bytes_per_token(model_dir, dtype),
                          int(r.vllm_kv_budget_gb * GiB), fixed_bytes=fixed)
@@ -991,7 +996,7 @@ def engine_settings(cfg, model_dir: str, eos_token_id: int, kv_cache_bytes: int,
             "gpu_memory_utilization": float(r.gpu_memory_utilization),
             "tensor_parallel_size": int(r.tensor_parallel_size), "sleep_mode": sleep_mode_for(cfg),
             "release_kv": release_kv_for(cfg), "release_weights": release_weights_for(cfg),
-            "in_process": engine_in_process(cfg)}
+            "in_process": engine_in_process(cfg), **({"engines": r.engines} if r.engines > 1 else {})}
 
 
 def check_gpu_settings(cpu_build: bool, tensor_parallel_size: int, sleep_mode: bool, in_process: bool) -> None:
@@ -1238,6 +1243,12 @@ class EnginePool:
             return engine
 
     def _start(self, cfg, model_dir: str, tokenizer, learner, dtype: str, plan, lora=None) -> VLLMBackend:
+        if cfg.rollout.engines > 1:  # several data-parallel engines behind one backend (runtime.backends.engine_set)
+            from runtime.backends.engine_set import start_engine_set
+
+            engine = start_engine_set(cfg, model_dir, tokenizer, learner, dtype, plan)
+            self.starts += 1
+            return engine
         engine = _start_engine(cfg, model_dir, tokenizer, learner, dtype, plan, lora)
         self.starts += 1
         return engine

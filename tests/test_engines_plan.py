@@ -1,0 +1,279 @@
+"""Several rollout engines (``core.engines``, pure): routing, episode affinity, the weight-version check, broadcast
+ranks, core splits and the engine layout over hosts, each against hand-computed answers; the config's refusals; the
+worker-version bookkeeping and the request router of ``runtime.backends.engine_set`` on stand-in engines (no vLLM)."""
+
+from __future__ import annotations
+
+import pytest
+
+from core.engines import (LOCAL, EngineHost, EngineRoom, NoEngineLeft, PrefixAffinity, broadcast_ranks,
+                          parse_engine_host, pick_engine, plan_engines, split_cores, stale_engines)
+
+
+def test_pick_engine_most_free_room_then_fewest_live_then_lowest_index():
+    rooms = [EngineRoom(True, 3, 100), EngineRoom(True, 1, 400), EngineRoom(True, 0, 400)]
+    assert pick_engine(rooms) == 2  # 400 free on both 1 and 2; 2 has fewer live requests
+    rooms = [EngineRoom(True, 0, 400), EngineRoom(True, 0, 400)]
+    assert pick_engine(rooms) == 0  # a full tie: the lowest index
+    rooms = [EngineRoom(False, 0, 10_000), EngineRoom(True, 5, 10)]
+    assert pick_engine(rooms) == 1  # a dead engine is never picked, however empty
+
+
+def test_pick_engine_keeps_an_episode_on_its_engine_while_it_has_room():
+    rooms = [EngineRoom(True, 4, 300), EngineRoom(True, 0, 1000)]
+    assert pick_engine(rooms, preferred=0, need=300) == 0  # exactly enough room: stays
+    assert pick_engine(rooms, preferred=0, need=301) == 1  # not enough: the engine with most room
+    assert pick_engine([EngineRoom(False), EngineRoom(True, 0, 5)], preferred=0, need=1) == 1  # its engine died
+    with pytest.raises(NoEngineLeft):
+        pick_engine([EngineRoom(False), EngineRoom(False)])
+
+
+def test_prefix_affinity_finds_the_longest_remembered_prefix_once():
+    a = PrefixAffinity()
+    a.remember(0, [1, 2, 3])
+    a.remember(1, [1, 2, 3, 4, 5])
+    assert a.lookup([1, 2, 3, 4, 5, 9, 9]) == 1  # the longer of the two prefixes
+    assert a.lookup([1, 2, 3, 4, 5, 9, 9]) == 0  # used up: the shorter one now
+    assert a.lookup([1, 2, 3, 7]) is None and len(a) == 0
+    assert a.lookup([1, 2]) is None  # a prompt shorter than every entry
+    a.remember(0, [7, 8])
+    a.remember(1, [7, 9])
+    a.forget_engine(0)
+    assert a.lookup([7, 8, 1]) is None and a.lookup([7, 9, 1]) == 1
+
+
+def test_prefix_affinity_is_bounded():
+    a = PrefixAffinity(capacity=2)
+    for k in range(3):
+        a.remember(k, [k, k])
+    assert len(a) == 2 and a.lookup([0, 0, 5]) is None and a.lookup([2, 2, 5]) == 2
+
+
+def test_stale_engines_and_broadcast_ranks():
+    assert stale_engines([3, 3, 2, None], 3) == [2, 3]
+    assert stale_engines([], 0) == []
+    # learner rank 0; engine 0 has TP 2 (ranks 1, 2), engine 1 TP 1 (rank 3), engine 2 TP 4 (ranks 4..7)
+    assert broadcast_ranks([2, 1, 4]) == ([1, 3, 4], 8)
+    with pytest.raises(ValueError):
+        broadcast_ranks([1, 0])
+
+
+def test_split_cores():
+    assert split_cores(2, 2) == ["0", "1"]
+    assert split_cores(4, 2) == ["0-1", "2-3"]
+    assert split_cores(5, 2) == ["0-2", "3-4"]
+    assert split_cores(7, 3) == ["0-2", "3-4", "5-6"]
+    with pytest.raises(ValueError, match="3 CPU engines need at least 3 cores"):
+        split_cores(2, 3)
+
+
+def test_parse_engine_host():
+    assert parse_engine_host("gpu-b:8") == EngineHost("gpu-b", 8)
+    assert parse_engine_host("10.0.0.7") == EngineHost("10.0.0.7", 0)
+    for bad in ("gpu-b:x", ":4", ""):
+        with pytest.raises(ValueError, match="HOST:GPUS"):
+            parse_engine_host(bad)
+
+
+def test_plan_engines_on_a_cpu_machine_splits_its_cores():
+    placed, errors = plan_engines(2, 1, EngineHost(LOCAL, 0, 2))
+    assert errors == [] and [(p.host, p.cores, p.gpus) for p in placed] == [(LOCAL, "0", ()), (LOCAL, "1", ())]
+    placed, errors = plan_engines(3, 1, EngineHost(LOCAL, 0, 2))
+    assert len(errors) == 1 and "rollout.engines=3" in errors[0] and "node 0: 2 cores -> 2" in errors[0]
+
+
+def test_plan_engines_fills_the_run_machine_then_the_hosts_in_order():
+    local = EngineHost(LOCAL, 4, 64)
+    placed, errors = plan_engines(5, 2, local, [EngineHost("b", 2), EngineHost("c", 8)])
+    assert errors == []
+    assert [(p.host, p.gpus) for p in placed] == [(LOCAL, (0, 1)), (LOCAL, (2, 3)), ("b", (0, 1)), ("c", (0, 1)),
+                                                  ("c", (2, 3))]
+    assert [p.local for p in placed] == [True, True, False, False, False]
+    # a CPU run machine with GPU hosts named: every engine on the hosts
+    placed, errors = plan_engines(2, 1, EngineHost(LOCAL, 0, 2), [EngineHost("b", 1), EngineHost("c", 1)])
+    assert errors == [] and [p.host for p in placed] == ["b", "c"]
+
+
+def test_plan_engines_refuses_an_impossible_layout_in_one_line():
+    _, errors = plan_engines(2, 8, EngineHost(LOCAL, 4, 64), [EngineHost("b", 2)])
+    assert errors == ["rollout.tensor_parallel_size=8 needs 8 GPUs on one host for each engine, but the largest host "
+                      "(node 0) has 4: lower rollout.tensor_parallel_size or add a larger host to rollout.engine_hosts "
+                      "(HOST:GPUS)"]
+    _, errors = plan_engines(1, 2, EngineHost(LOCAL, 0, 2))
+    assert len(errors) == 1 and "no engine host has a GPU" in errors[0]
+    _, errors = plan_engines(4, 2, EngineHost(LOCAL, 4, 64), [EngineHost("b", 3)])
+    assert errors == ["rollout.engines=4: 4 engines of 2 GPUs do not fit the hosts (node 0: 4 GPUs -> 2; b: 3 GPUs "
+                      "-> 1 engines): lower rollout.engines or add hosts to rollout.engine_hosts (HOST:GPUS)"]
+
+
+def test_config_engines_settings_and_refusals():
+    from flows.config import ConfigError, build_config
+
+    cfg = build_config("babyai", "tiny", ["rollout.backend=vllm", "rollout.engines=2",
+                                          'rollout.engine_hosts=["gpu-b:8"]', "rollout.engine_sync=folder"])
+    assert (cfg.rollout.engines, cfg.rollout.engine_hosts, cfg.rollout.engine_sync) == (2, ["gpu-b:8"], "folder")
+    assert build_config("babyai", "tiny").rollout.engines == 1
+    with pytest.raises(ConfigError, match="rollout.backend=vllm"):
+        build_config("babyai", "tiny", ["rollout.backend=transformers", "rollout.engines=2"])
+    with pytest.raises(ConfigError, match="vllm_in_process"):
+        build_config("babyai", "tiny", ["rollout.backend=vllm", "rollout.engines=2", "rollout.vllm_in_process=true"])
+    with pytest.raises(ConfigError, match="HOST:GPUS"):
+        build_config("babyai", "tiny", ["rollout.backend=vllm", 'rollout.engine_hosts=["b:x"]'])
+    with pytest.raises(ConfigError, match="rollout.engines"):
+        build_config("babyai", "tiny", ["rollout.backend=vllm", "rollout.engines=0"])
+
+
+# --- the router of runtime.backends.engine_set on stand-in engines ---------------------------------------------
+class _Core:
+    def __init__(self):
+        self.resources = type("R", (), {"engine_dead": False, "engine_manager": None})()
+
+
+class _LLM:
+    def __init__(self):
+        self.version = None
+        self.llm_engine = type("E", (), {})()
+        self.llm_engine.engine_core = _Core()
+        self.rpcs: list[str] = []
+
+    def collective_rpc(self, name, args=(), kwargs=None):
+        self.rpcs.append(name)
+        if name == "set_weight_version":
+            self.version = args[0]
+        if name == "weight_version":
+            return [self.version]
+        return [None]
+
+    def reset_prefix_cache(self):
+        pass
+
+
+class _Engine:
+    """A stand-in VLLMBackend: replies ``[last prompt token + 1]``; ``fail`` makes it die on its next call."""
+
+    def __init__(self):
+        self._llm = _LLM()
+        self.eos_token_id, self.max_model_len, self.dtype, self.start_time_s = 0, 4096, "float32", 0.0
+        self.calls: list[list[list[int]]] = []
+        self.fail = False
+        self.asleep = False
+
+    def die(self):
+        self._llm.llm_engine.engine_core.resources.engine_dead = True
+
+    def generate(self, prompts, params):
+        from runtime.backends.generation import Generation
+
+        if self.fail:
+            self.die()
+            raise RuntimeError("EngineDeadError")
+        self.calls.append([list(p) for p in prompts])
+        return [Generation([p[-1] + 1], [-0.5], "stop") for p in prompts]
+
+    def _check_prompts(self, prompts, params):
+        pass
+
+    def wake(self, tags=None):
+        pass
+
+    def _wake_for_load(self):
+        pass
+
+    def sleep(self):
+        return False
+
+    def close(self):
+        self._llm = None
+
+
+def _engine_set(n=2, **kw):
+    from runtime.backends.engine_set import EngineSet
+
+    engines = [_Engine() for _ in range(n)]
+    return EngineSet(engines, [1000] * n, **kw), engines
+
+
+def test_engine_set_splits_a_round_and_keeps_episodes_on_their_engine():
+    from runtime.backends.generation import SamplingParams
+
+    es, (a, b) = _engine_set()
+    prompts = [[10 * k + 1, 10 * k + 2] for k in range(6)]
+    gens = es.generate(prompts, SamplingParams(8, 0.0))
+    assert [g.token_ids for g in gens] == [[p[-1] + 1] for p in prompts]  # in the prompts' order
+    assert es.routed == [3, 3] and es.first_turns == [3, 3]
+    first_a = [p[0] for p in a.calls[0]]
+    # the next turn of each episode (prompt + reply + observation) goes back to the engine that served it
+    nxt = [p + [g.token_ids[0], 99] for p, g in zip(prompts, gens)]
+    es.generate(nxt, SamplingParams(8, 0.0))
+    assert [p[0] for p in a.calls[1]] == first_a and es.first_turns == [3, 3] and es.routed == [6, 6]
+    assert es.reserved == [0, 0] and es.live == [0, 0]
+
+
+def test_engine_set_hands_a_dead_engines_share_to_the_others():
+    from runtime.backends.generation import SamplingParams
+
+    es, (a, b) = _engine_set()
+    b.fail = True
+    prompts = [[k, k + 1] for k in range(4)]
+    gens = es.generate(prompts, SamplingParams(8, 1.0, seeds=(5, 6, 7, 8)))
+    assert [g.token_ids for g in gens] == [[p[-1] + 1] for p in prompts]  # no prompt lost
+    assert es.alive == [True, False] and es.resubmitted == 2
+    assert sorted(p[0] for call in a.calls for p in call) == [0, 1, 2, 3]
+    b.fail = False  # a dead engine is not used again
+    es.generate([[1, 2]], SamplingParams(8, 0.0))
+    assert len(b.calls) == 0 and es.stats()["alive"] == 1
+
+
+def test_engine_set_checks_every_engines_weight_version_before_a_rollout():
+    import torch
+
+    from runtime.backends.generation import SamplingParams
+
+    es, (a, b) = _engine_set()
+    assert [e._llm.version for e in (a, b)] == [0, 0]  # the start weights are version 0
+    b._llm.version = 7  # an engine that holds other weights (restarted, a load that did not happen)
+    with pytest.raises(RuntimeError, match="mixed weights"):
+        es.generate([[1, 2]], SamplingParams(4, 0.0))  # nothing to load from: refused
+    assert a.calls == [] and b.calls == []
+    es.named_weights = lambda: [("w", torch.ones(2, 2))]
+    es.generate([[1, 2]], SamplingParams(4, 0.0))  # loaded again from the learner, then used
+    assert b._llm.version == 0 and "load_shared_weights" in b._llm.rpcs and "load_shared_weights" not in a._llm.rpcs
+    es.sync_weights()
+    assert es.version == 1 and [e._llm.version for e in (a, b)] == [1, 1] and es.syncs == 1
+
+
+def test_routed_requests_resubmit_a_dead_engines_turns(monkeypatch):
+    from runtime.backends import engine_set as m
+    from runtime.backends.generation import Generation, SamplingParams
+
+    class Requests:  # a stand-in VLLMRequests: a request finishes at the step after it was added
+        def __init__(self, engine):
+            self.engine, self.live = engine, []
+
+        def add(self, key, prompt, params):
+            self.live.append((key, prompt))
+
+        def step(self):
+            if self.engine.fail:
+                self.engine.die()
+                raise RuntimeError("EngineDeadError")
+            done, self.live = self.live, []
+            return [(k, Generation([p[-1] + 1], [-0.1], "stop")) for k, p in done]
+
+        def abort(self, keys):
+            self.live = [x for x in self.live if x[0] not in keys]
+
+    monkeypatch.setattr(m, "VLLMRequests", Requests)
+    es, (a, b) = _engine_set()
+    b.fail = True
+    rr = es.request_engine()
+    for k in range(4):
+        rr.add(f"r{k}", [k, k + 1], SamplingParams(8, 1.0, seeds=(k,)))
+    got = {}
+    for _ in range(200):
+        got.update(dict(rr.step()))
+        if len(got) == 4:
+            break
+    assert sorted(got) == ["r0", "r1", "r2", "r3"] and all(got[f"r{k}"].token_ids == [k + 2] for k in range(4))
+    assert es.alive == [True, False] and es.resubmitted == 2 and es.reserved[0] == 0
+    rr.close()
