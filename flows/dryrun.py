@@ -127,8 +127,60 @@ def _lora_plan(plan: Plan, cfg: RunConfig, c: dict, m: ModelShape, r: RunShape, 
                            "smaller model")
 
 
-def dry_run(cfg: RunConfig) -> Plan:
-    """The plan of ``cfg`` (its ``errors`` empty when the run would start)."""
+def local_engine_host():
+    """The run's machine as an engine host (``core.engines.EngineHost``): its CUDA GPUs and its cores."""
+    from core.engines import LOCAL, EngineHost
+
+    gpus = 0
+    try:
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return EngineHost(LOCAL, gpus, cores)
+
+
+def _engine_plan(plan: Plan, cfg: RunConfig, m: ModelShape, r: RunShape, machine: int | None, local) -> None:
+    """``rollout.engines`` / ``rollout.engine_hosts``: where each engine runs (``core.engines.plan_engines``), the
+    memory of the engines beyond the first on this machine (a copy of the weights each; the KV cache is split
+    between them), and a one-line error for a layout that cannot be, or that needs other hosts (the run starts
+    engines on its own machine only)."""
+    from core.engines import parse_engine_host, plan_engines
+
+    ro = cfg.rollout
+    if ro.engines == 1 and not ro.engine_hosts:
+        return
+    placed, errors = plan_engines(ro.engines, ro.tensor_parallel_size, local,
+                                  [parse_engine_host(h) for h in ro.engine_hosts])
+    plan.errors += errors
+    if not placed:
+        return
+    where = "; ".join(f"{p.engine}: {p.host} " + (f"GPUs {','.join(map(str, p.gpus))}" if p.gpus else
+                                                   f"cores {p.cores}" if p.cores else "CPU") for p in placed)
+    sync = "memory" if ro.engine_sync == "auto" else ro.engine_sync
+    plan.lines.append(f"rollout engines ({len(placed)}, each {ro.tensor_parallel_size} GPU(s) of tensor parallelism "
+                      f"where on GPUs; weights synced by {sync}): {where}")
+    here = sum(p.local for p in placed)
+    if here > 1 and r.vllm:
+        extra = (here - 1) * r.engine_bytes_per_elem * m.params
+        plan.memory_bytes += extra
+        plan.lines.append(f"memory: + {extra / GiB:.1f} GiB for {here - 1} more engine(s) on this machine (a copy of the "
+                          f"weights each; the KV cache is split between the {here} engines)")
+        if local.gpus == 0 and machine and plan.memory_bytes > machine:
+            plan.errors.append(f"{here} engines need at least {plan.memory_bytes / GiB:.1f} GiB with the learner, more "
+                               f"than this machine's {machine / GiB:.1f} GiB: lower rollout.engines")
+    remote = sorted({p.host for p in placed if not p.local})
+    if remote:
+        plan.errors.append(f"rollout.engine_hosts: the layout puts engines on {', '.join(remote)}, but a run starts "
+                           "rollout engines on its own machine only (remote engines are planned, not started): lower "
+                           "rollout.engines to what this machine holds or drop rollout.engine_hosts")
+
+
+def dry_run(cfg: RunConfig, local_host=None) -> Plan:
+    """The plan of ``cfg`` (its ``errors`` empty when the run would start). ``local_host``: this machine as an engine
+    host (``core.engines.EngineHost``; default: its GPUs and cores)."""
     try:
         config = _model_config(cfg.model.path)
         shape = ModelShape.from_hf_config(config)
@@ -141,6 +193,7 @@ def dry_run(cfg: RunConfig) -> Plan:
     plan = check_run(shape, shape_r, machine, model_name=cfg.model.path)
     if cfg.model.lora.enabled:
         _lora_plan(plan, cfg, config, shape, shape_r, machine)
+    _engine_plan(plan, cfg, shape, shape_r, machine, local_host or local_engine_host())
     plan.lines.insert(0, f"model {cfg.model.path}: {shape.params / 1e6:.0f} M parameters, context "
                          f"{shape.context or 'unknown'}")
     return plan

@@ -277,3 +277,38 @@ def test_routed_requests_resubmit_a_dead_engines_turns(monkeypatch):
     assert sorted(got) == ["r0", "r1", "r2", "r3"] and all(got[f"r{k}"].token_ids == [k + 2] for k in range(4))
     assert es.alive == [True, False] and es.resubmitted == 2 and es.reserved[0] == 0
     rr.close()
+
+
+# --- --dry-run (flows.dryrun) -----------------------------------------------------------------------------------
+def test_dry_run_plans_two_cpu_engines_on_this_machine():
+    from flows.config import build_config
+    from flows.dryrun import dry_run
+
+    cfg = build_config("babyai", "smoke", ["rollout.engines=2"])
+    plan = dry_run(cfg, local_host=EngineHost(LOCAL, 0, 2))
+    assert not plan.errors, plan.errors
+    line = [x for x in plan.lines if x.startswith("rollout engines")]
+    assert line == ["rollout engines (2, each 1 GPU(s) of tensor parallelism where on GPUs; weights synced by memory): "
+                    "0: node 0 cores 0; 1: node 0 cores 1"]
+    assert any(x.startswith("memory: + ") and "1 more engine(s)" in x for x in plan.lines)
+    assert not any(x.startswith("rollout engines") for x in dry_run(build_config("babyai", "smoke")).lines)
+
+
+def test_dry_run_plans_a_multi_host_layout_and_refuses_an_impossible_one():
+    from flows.config import build_config
+    from flows.dryrun import dry_run
+
+    gpu_node = EngineHost(LOCAL, 4, 32)
+    ok = dry_run(build_config("babyai", "paper", ["rollout.engines=3", "rollout.tensor_parallel_size=2",
+                                                  'rollout.engine_hosts=["gpu-b:2"]']), local_host=gpu_node)
+    line = [x for x in ok.lines if x.startswith("rollout engines")][0]
+    assert line.endswith("0: node 0 GPUs 0,1; 1: node 0 GPUs 2,3; 2: gpu-b GPUs 0,1")
+    # a layout on other hosts is planned, and the run (which starts engines on its own machine) would refuse it
+    assert ok.errors and ok.errors[0].startswith("rollout.engine_hosts: the layout puts engines on gpu-b")
+    bad = dry_run(build_config("babyai", "paper", ["rollout.engines=2", "rollout.tensor_parallel_size=8",
+                                                   'rollout.engine_hosts=["gpu-b:2"]']), local_host=gpu_node)
+    assert bad.errors == ["rollout.tensor_parallel_size=8 needs 8 GPUs on one host for each engine, but the largest "
+                          "host (node 0) has 4: lower rollout.tensor_parallel_size or add a larger host to "
+                          "rollout.engine_hosts (HOST:GPUS)"]
+    cpu = dry_run(build_config("babyai", "smoke", ["rollout.engines=3"]), local_host=EngineHost(LOCAL, 0, 2))
+    assert len(cpu.errors) == 1 and cpu.errors[0].startswith("rollout.engines=3: 3 CPU engines do not fit the hosts")
