@@ -50,49 +50,56 @@ def pick_engine(rooms: Sequence[EngineRoom], preferred: int | None = None, need:
 class PrefixAffinity:
     """Which engine served a token sequence: ``remember(engine, seq)`` after a request finished (its prompt and
     reply), ``lookup(prompt)`` finds the longest remembered sequence the prompt starts with and returns its engine
-    (the entry is used up: the next turn remembers its own). At most ``capacity`` entries (the oldest go first);
+    (the entry is used up: the next turn remembers its own). Equal sequences (the samples of one task, greedy) are
+    kept once each, handed out first in, first out. At most ``capacity`` entries (the oldest go first);
     ``forget_engine`` drops a dead engine's entries."""
 
     def __init__(self, capacity: int = 65536):
         self.capacity = capacity
-        self._by_len: dict[int, dict[Hashable, int]] = {}
+        self._by_len: dict[int, dict[Hashable, list[int]]] = {}
         self._order: list[tuple[int, Hashable]] = []
 
     def __len__(self) -> int:
-        return sum(len(d) for d in self._by_len.values())
+        return sum(len(v) for d in self._by_len.values() for v in d.values())
+
+    def _drop(self, n: int, key: Hashable, engine: int | None = None) -> int | None:
+        """Remove one entry of (``n``, ``key``): the oldest, or the oldest of ``engine``. Returns its engine."""
+        d = self._by_len.get(n)
+        v = None if d is None else d.get(key)
+        if not v:
+            return None
+        k = 0 if engine is None else (v.index(engine) if engine in v else -1)
+        if k < 0:
+            return None
+        e = v.pop(k)
+        if not v:
+            del d[key]
+            if not d:
+                del self._by_len[n]
+        return e
 
     def remember(self, engine: int, seq: Sequence[int]) -> None:
         n = len(seq)
         if n == 0:
             return
         key = hash(tuple(seq))
-        self._by_len.setdefault(n, {})[key] = engine
+        self._by_len.setdefault(n, {}).setdefault(key, []).append(engine)
         self._order.append((n, key))
         while len(self._order) > self.capacity:
-            old_n, old_key = self._order.pop(0)
-            d = self._by_len.get(old_n)
-            if d is not None:
-                d.pop(old_key, None)
-                if not d:
-                    del self._by_len[old_n]
+            self._drop(*self._order.pop(0))
 
     def lookup(self, prompt: Sequence[int]) -> int | None:
         for n in sorted((n for n in self._by_len if n <= len(prompt)), reverse=True):
-            key = hash(tuple(prompt[:n]))
-            engine = self._by_len[n].pop(key, None)
-            if engine is not None:
-                if not self._by_len[n]:
-                    del self._by_len[n]
-                return engine
+            e = self._drop(n, hash(tuple(prompt[:n])))
+            if e is not None:
+                return e
         return None
 
     def forget_engine(self, engine: int) -> None:
         for n in list(self._by_len):
-            d = self._by_len[n]
-            for k in [k for k, e in d.items() if e == engine]:
-                del d[k]
-            if not d:
-                del self._by_len[n]
+            for key in list(self._by_len.get(n, {})):
+                while self._drop(n, key, engine) is not None:
+                    pass
 
 
 def stale_engines(versions: Sequence[int | None], want: int) -> list[int]:

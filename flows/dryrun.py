@@ -160,8 +160,9 @@ def _engine_plan(plan: Plan, cfg: RunConfig, m: ModelShape, r: RunShape, machine
     where = "; ".join(f"{p.engine}: {p.host} " + (f"GPUs {','.join(map(str, p.gpus))}" if p.gpus else
                                                    f"cores {p.cores}" if p.cores else "CPU") for p in placed)
     sync = "memory" if ro.engine_sync == "auto" else ro.engine_sync
-    plan.lines.append(f"rollout engines ({len(placed)}, each {ro.tensor_parallel_size} GPU(s) of tensor parallelism "
-                      f"where on GPUs; weights synced by {sync}): {where}")
+    kind = (f"{len(placed)} of {ro.tensor_parallel_size} GPU(s) each" if any(p.gpus for p in placed) else
+            f"{len(placed)} on CPUs")
+    plan.lines.append(f"rollout engines ({kind}; weights synced by {sync}): {where}")
     here = sum(p.local for p in placed)
     if here > 1 and r.vllm:
         extra = (here - 1) * r.engine_bytes_per_elem * m.params

@@ -42,6 +42,18 @@ def test_prefix_affinity_finds_the_longest_remembered_prefix_once():
     assert a.lookup([7, 8, 1]) is None and a.lookup([7, 9, 1]) == 1
 
 
+def test_prefix_affinity_keeps_equal_sequences_once_each():
+    a = PrefixAffinity()
+    a.remember(0, [4, 5])  # two greedy samples of one task: the same prompt and reply on two engines
+    a.remember(1, [4, 5])
+    assert len(a) == 2 and a.lookup([4, 5, 6]) == 0 and a.lookup([4, 5, 6]) == 1 and a.lookup([4, 5, 6]) is None
+    a.remember(0, [4, 5])
+    a.remember(1, [4, 5])
+    a.remember(0, [4, 5])
+    a.forget_engine(0)
+    assert len(a) == 1 and a.lookup([4, 5]) == 1
+
+
 def test_prefix_affinity_is_bounded():
     a = PrefixAffinity(capacity=2)
     for k in range(3):
@@ -288,8 +300,7 @@ def test_dry_run_plans_two_cpu_engines_on_this_machine():
     plan = dry_run(cfg, local_host=EngineHost(LOCAL, 0, 2))
     assert not plan.errors, plan.errors
     line = [x for x in plan.lines if x.startswith("rollout engines")]
-    assert line == ["rollout engines (2, each 1 GPU(s) of tensor parallelism where on GPUs; weights synced by memory): "
-                    "0: node 0 cores 0; 1: node 0 cores 1"]
+    assert line == ["rollout engines (2 on CPUs; weights synced by memory): 0: node 0 cores 0; 1: node 0 cores 1"]
     assert any(x.startswith("memory: + ") and "1 more engine(s)" in x for x in plan.lines)
     assert not any(x.startswith("rollout engines") for x in dry_run(build_config("babyai", "smoke")).lines)
 
@@ -302,7 +313,8 @@ def test_dry_run_plans_a_multi_host_layout_and_refuses_an_impossible_one():
     ok = dry_run(build_config("babyai", "paper", ["rollout.engines=3", "rollout.tensor_parallel_size=2",
                                                   'rollout.engine_hosts=["gpu-b:2"]']), local_host=gpu_node)
     line = [x for x in ok.lines if x.startswith("rollout engines")][0]
-    assert line.endswith("0: node 0 GPUs 0,1; 1: node 0 GPUs 2,3; 2: gpu-b GPUs 0,1")
+    assert line == ("rollout engines (3 of 2 GPU(s) each; weights synced by memory): 0: node 0 GPUs 0,1; 1: node 0 "
+                    "GPUs 2,3; 2: gpu-b GPUs 0,1")
     # a layout on other hosts is planned, and the run (which starts engines on its own machine) would refuse it
     assert ok.errors and ok.errors[0].startswith("rollout.engine_hosts: the layout puts engines on gpu-b")
     bad = dry_run(build_config("babyai", "paper", ["rollout.engines=2", "rollout.tensor_parallel_size=8",
