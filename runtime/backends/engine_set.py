@@ -42,6 +42,7 @@ import tempfile
 import threading
 import time
 from contextlib import ExitStack, contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -666,7 +667,18 @@ def start_engine_set(cfg, model_dir: str, tokenizer, learner, dtype: str, plan) 
                                                release_kv_for, release_weights_for, sleep_mode_for)
 
     r = cfg.rollout
-    layout, errors = plan_engines(r.engines, r.tensor_parallel_size, local_host(), engine_hosts(cfg))
+    sync = "memory" if r.engine_sync == "auto" else r.engine_sync
+    cpu = is_cpu_build()
+    here, device, skip = local_host(), None, None
+    if sync == "broadcast":
+        device = next(learner.model.parameters()).device if learner is not None else None
+        if cpu or device is None or device.type != "cuda":
+            raise ValueError("rollout.engine_sync=broadcast sends the weights over NCCL from a learner on a GPU to "
+                             "CUDA engines: use rollout.engine_sync=memory (or folder) here")
+        # NCCL takes one rank per GPU: the engines get this machine's GPUs other than the learner's
+        skip = device.index or 0
+        here = EngineHost(here.name, max(0, here.gpus - 1), here.cores)
+    layout, errors = plan_engines(r.engines, r.tensor_parallel_size, here, engine_hosts(cfg))
     if errors:
         raise ValueError(errors[0])
     remote = [p for p in layout if not p.local]
@@ -674,16 +686,8 @@ def start_engine_set(cfg, model_dir: str, tokenizer, learner, dtype: str, plan) 
         raise ValueError(f"rollout.engine_hosts: the layout puts engines {[p.engine for p in remote]} on "
                          f"{sorted({p.host for p in remote})}, but a run starts engines on its own machine only: "
                          "lower rollout.engines to what this machine holds (scalinginter run ... --dry-run shows it)")
-    sync = "memory" if r.engine_sync == "auto" else r.engine_sync
-    cpu = is_cpu_build()
-    device = None
-    if sync == "broadcast":
-        import torch
-
-        device = next(learner.model.parameters()).device if learner is not None else None
-        if cpu or device is None or device.type != "cuda":
-            raise ValueError("rollout.engine_sync=broadcast sends the weights over NCCL from a learner on a GPU to "
-                             "CUDA engines: use rollout.engine_sync=memory (or folder) here")
+    if skip is not None:
+        layout = [replace(p, gpus=tuple(g if g < skip else g + 1 for g in p.gpus)) for p in layout]
     visible = [x for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
     engines: list[VLLMBackend] = []
     try:
