@@ -12,6 +12,8 @@ import typer
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the ephemeral Prefect API starts with each run; on a busy machine it can take longer than Prefect's 20 s default
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 # hub offline mode unless the command names a hub model (org/name): the embedded default and local folders need no
 # network; `--set model.path=Org/Model` downloads it (runtime.backends.model.hub_offline_default)
 from runtime.backends.model import hub_offline_default  # noqa: E402  (light: no huggingface_hub import)

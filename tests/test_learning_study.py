@@ -296,22 +296,23 @@ def test_learning_study_toy(tmp_path):
 
 @pytest.mark.slow
 def test_learning_study_multistep_toy(tmp_path, toy_policy):
-    """The multistep study's four arms (GiGPO included) end to end at toy size: the multistep preset's levels
-    with a 1 -> 2 turn curriculum of one step per phase, the tiny warm-started Llama of tests/toypolicy.py, one
-    seed, four held-out tasks, budgets 1 and 2. Checks that the GiGPO arm trained with GiGPO and that the report
-    carries the tasks' required-turns labels, the per-bucket results, curves and diagnostics, and the GiGPO
-    comparisons."""
+    """``scalinginter study`` on the multistep preset's five arms (GiGPO and matched tasks included) end to end at
+    toy size: the multistep preset's levels with a 1 -> 2 turn curriculum of one step per phase, the tiny
+    warm-started Llama of tests/toypolicy.py, one seed, four held-out tasks, budgets 1 and 2. Checks that the GiGPO
+    arm trained with GiGPO and the fit arm on tasks matched to its limits, that the report carries the tasks'
+    required-turns labels, the per-bucket results, curves and diagnostics, the comparisons, and the starting
+    model's re-score."""
     import os
 
     from core.evalreport import BUCKETS
 
     out, res = tmp_path / "runs", tmp_path / "results"
-    arms = ["scalinginter", "fixed-short", "fixed-long", "scalinginter-gigpo"]
+    arms = ["scalinginter", "fixed-short", "fixed-long", "scalinginter-gigpo", "scalinginter-fit"]
     sets = [f"model.path={toy_policy}",
             'curriculum.phases=[{"turn_limit": 1, "steps": 1}, {"turn_limit": 2, "steps": 1}]',
             "rollout.tasks_per_step=2", "rollout.samples_per_task=2", "rollout.max_new_tokens=8",
             "rollout.token_budget=1000", "rollout.backend=transformers", "tracking.log_trajectories=0"]
-    cmd = [sys.executable, str(ROOT / "bench" / "learning_study.py"), "--env", "babyai", "--preset", "multistep",
+    cmd = [sys.executable, "-m", "flows.cli", "study", "--env", "babyai", "--preset", "multistep",
            "--arms", ",".join(arms), "--seeds", "1", "--eval-n", "4", "--budgets", "1,2",
            "--output-dir", str(out), "--results", str(res)]
     for s in sets:
@@ -327,13 +328,17 @@ def test_learning_study_multistep_toy(tmp_path, toy_policy):
     rep = json.loads(js.read_text())
     assert rep["start_model"]["path"] == str(toy_policy)
     assert list(rep["arms"]) == arms
-    assert [rep["arms"][a]["turn_limits"] for a in arms] == [[1, 2], [1, 1], [2, 2], [1, 2]]
+    assert [rep["arms"][a]["turn_limits"] for a in arms] == [[1, 2], [1, 1], [2, 2], [1, 2], [1, 2]]
+    rs = rep["rescore"]["budgets"]  # the starting model scored twice, lock-step: the same outcome on every task
+    assert set(rs) == {"1", "2"} and all(r["tasks"] == 4 and r["same"] == 4 for r in rs.values())
     for arm, r in rep["arms"].items():
         cfg = json.loads((out / f"study-babyai-{arm}-s0" / "config.json").read_text())
         assert [ph["turn_limit"] for ph in cfg["curriculum"]["phases"]] == r["turn_limits"]  # trained as planned
         assert cfg["algo"]["estimator"] == ("gigpo" if arm == "scalinginter-gigpo" else "grpo")
         assert cfg["model"]["path"] == str(toy_policy) and cfg["rollout"]["samples_per_task"] == 2
-        assert r["overrides"] == (["algo.estimator=gigpo"] if arm == "scalinginter-gigpo" else [])
+        assert cfg["rollout"]["task_filter"] == ("fits_turns" if arm == "scalinginter-fit" else "none")
+        assert r["overrides"] == {"scalinginter-gigpo": ["algo.estimator=gigpo"],
+                                  "scalinginter-fit": ["rollout.task_filter=fits_turns"]}.get(arm, [])
     labels = rep["task_required_turns"]  # BabyAI's expert labels every held-out task
     assert len(labels) == 4 and all(isinstance(x, int) and x >= 1 for x in labels)
     for name, r in [("base", rep["base"])] + list(rep["arms"].items()):
@@ -351,7 +356,8 @@ def test_learning_study_multistep_toy(tmp_path, toy_policy):
         assert "diag/turn_limit_frac" in r["diagnostics"]["phase-1"] and "success_rate" in r["diagnostics"]["phase-2"]
         assert sorted(int(s) for s in r["diag_curves"]["diag/turn_limit_frac"]) == [1, 2]
     assert list(rep["comparisons"]) == ["scalinginter - fixed-short", "scalinginter - fixed-long",
-                                        "scalinginter - scalinginter-gigpo", "scalinginter-gigpo - fixed-long",
+                                        "scalinginter - scalinginter-gigpo", "scalinginter - scalinginter-fit",
+                                        "scalinginter-gigpo - fixed-long",
                                         "scalinginter-gigpo - fixed-short"]
     for c in rep["comparisons"].values():
         assert set(c["budgets"]) == {"1", "2"}
