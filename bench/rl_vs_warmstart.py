@@ -64,6 +64,9 @@ ARMS: dict[str, list[str]] = {
     # the expert's whole episode in every group whose samples all failed (what the warm start learned from), no
     # relabels, half the step size
     "groups": ["algo.lr=1e-5", "algo.kl_coef=0.05", "algo.skip_no_signal=true", "algo.expert_groups=true"] + FIT + DYN,
+    # the best arm so far, with each invalid reply charged 0.1: the runs lost tasks by repeating an invalid action
+    "groups+invalid": ["algo.lr=1e-5", "algo.kl_coef=0.05", "algo.skip_no_signal=true", "algo.expert_groups=true",
+                       "algo.invalid_action_penalty=0.1"] + FIT + DYN,
     "+groups": RECIPE + ["algo.expert_groups=true"],  # all-fail groups get the expert's episode of the task
     "+shape": RECIPE + ["algo.shaping_coef=0.1"],  # progress reward from the expert's remaining turns
     "+g8": RECIPE + ["rollout.tasks_per_step=2", "rollout.samples_per_task=8"],

@@ -308,6 +308,12 @@ class AlgoConfig(_Strict):
                                "policy visited (DAgger-style relabels, see expert_turns), added to the policy loss as "
                                "expert_coef x the token-mean NLL of the relabelled replies. Needs an env with a "
                                "scripted expert (envs/<env>/contract.py: expert_action). 0: off.")
+    invalid_action_penalty: float = Field(
+        0.0, ge=0, description="Each turn whose reply the env flagged as no valid action gets -invalid_action_penalty "
+                               "added to its reward (on that turn's action tokens), so among samples with the same "
+                               "outcome the ones that spent turns on invalid replies score lower, and a group whose "
+                               "samples all failed still ranks them. The episodes' own rewards and success stay as "
+                               "the env gave them. 0: off.")
     shaping_coef: float = Field(
         0.0, ge=0, description="Potential-based progress reward: each turn's reward gets shaping_coef x (the turns the "
                                "env's expert needed before the turn - the turns it needs after it), so an episode "

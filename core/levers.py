@@ -127,3 +127,12 @@ def potential_shaping(remaining: Sequence[int | None], turns: int, coef: float) 
         b = remaining[t + 1] if t + 1 < len(remaining) else None
         out.append(0.0 if a is None or b is None else float(coef) * (float(a) - float(b)))
     return out
+
+
+def invalid_action_penalties(invalid: Sequence[bool] | None, turns: int, penalty: float) -> list[float]:
+    """Per-turn rewards of an episode of ``turns`` turns: ``-penalty`` on each turn whose reply the env flagged as no
+    valid action (``invalid[t]``), 0 elsewhere; an episode without flags (None) or a turn past them gets 0."""
+    if turns < 0:
+        raise ValueError(f"turns must be >= 0, got {turns}")
+    flags = list(invalid or [])
+    return [-float(penalty) if t < len(flags) and flags[t] else 0.0 for t in range(turns)]

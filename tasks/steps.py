@@ -469,6 +469,8 @@ def compute_advantages(key: str, batch: Batch) -> Advantages:
 
     params = EstimatorParams.from_algo(a)
     scored = shaped(trajs, a.shaping_coef) if a.shaping_coef else trajs
+    if a.invalid_action_penalty:
+        scored = penalised(scored, a.invalid_action_penalty)
     advantages, returns, stats = trajectory_advantages(
         a.estimator, params, scored,
         values=per_token("values") if spec.needs_critic else None,
@@ -502,6 +504,23 @@ def shaped(trajs: list[Trajectory], coef: float) -> list[Trajectory]:
             out.append(t)
             continue
         f = potential_shaping(t.expert_remaining, t.turns, coef)
+        out.append(dataclasses.replace(t, turn_rewards=[r + x for r, x in zip(t.turn_rewards, f)]))
+    return out
+
+
+def penalised(trajs: list[Trajectory], penalty: float) -> list[Trajectory]:
+    """The trajectories with ``-penalty`` added to the reward of each turn the env flagged invalid
+    (``core.levers.invalid_action_penalties``), as copies: the episodes' own rewards and records stay as they were."""
+    import dataclasses
+
+    from core.levers import invalid_action_penalties
+
+    out = []
+    for t in trajs:
+        if t.masked or not t.turns or not any(t.invalid_actions or []):
+            out.append(t)
+            continue
+        f = invalid_action_penalties(t.invalid_actions, t.turns, penalty)
         out.append(dataclasses.replace(t, turn_rewards=[r + x for r, x in zip(t.turn_rewards, f)]))
     return out
 

@@ -502,3 +502,44 @@ def test_the_kl_term_leaves_an_expert_episodes_tokens_out():
     assert float(loss) == pytest.approx(0.1 * 0.5 * (k3[0] + k3[1]))
     loss, st = policy_loss(logp, logp, ref, torch.zeros(1, 2), w, 0.2, 0.1, kl_weights=torch.tensor([[0.5, 0.0]]))
     assert float(loss) == pytest.approx(0.1 * 0.5 * k3[0]) and st["kl"] == pytest.approx(0.5 * k3[0])
+
+
+def test_invalid_action_penalties_by_hand():
+    from core.levers import invalid_action_penalties
+
+    assert invalid_action_penalties([False, True, True, False], 4, 0.1) == [0.0, -0.1, -0.1, 0.0]
+    assert invalid_action_penalties([True], 3, 0.5) == [-0.5, 0.0, 0.0]  # turns past the flags: none
+    assert invalid_action_penalties(None, 2, 0.5) == [0.0, 0.0]
+    with pytest.raises(ValueError):
+        invalid_action_penalties([], -1, 0.1)
+
+
+def test_invalid_action_penalty_ranks_an_all_fail_group():
+    """A group of four failures, with 0, 1, 2 and 1 invalid turns (of 3): without the penalty GRPO gives all 0;
+    with algo.invalid_action_penalty=0.1 (no std) the sequence scores are 0, -0.1, -0.2, -0.1, mean -0.1, so the
+    advantages are +0.1, 0, -0.1, 0 on every policy token; the episodes' own rewards are unchanged."""
+    import tasks.steps as T
+    from core.config import RunConfig
+    from runtime.context import Runtime, Session
+
+    def traj(flags):
+        t = _traj(0, 0, 0.0, "turn_limit", turns=3)
+        for f in flags:
+            t.record_env_reply("obs", None if f else "a", f)
+        return t
+
+    trajs = [traj(f) for f in ([False] * 3, [False, True, False], [True, True, False], [False, False, True])]
+
+    class Learner:
+        def prepare(self, samples, old_for_reward=False):
+            return None
+
+    for pen, want in ((0.0, [0.0, 0.0, 0.0, 0.0]), (0.1, [0.1, 0.0, -0.1, 0.0])):
+        cfg = RunConfig.model_validate({"env": {"name": "toy"}, "rollout": {"backend": "transformers"},
+                                        "algo": {"normalize_std": False, "invalid_action_penalty": pen}})
+        with Runtime() as rt:
+            key = rt.add_session(Session(cfg=cfg, learner=Learner()))
+            adv = T.compute_advantages.fn(key, T.Batch(trajs, {}))
+        for row, t, w in zip(adv.advantages, trajs, want):
+            assert row == pytest.approx([w * m for m in t.loss_mask], abs=1e-6)  # float32 advantages
+    assert [t.reward for t in trajs] == [0.0] * 4
