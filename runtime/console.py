@@ -97,6 +97,15 @@ def quiet_console(run_dir: Path) -> Path | None:
     return path
 
 
+def restore_env(saved: dict[str, str | None]) -> None:
+    """Put the environment variables in ``saved`` back as they were (None: it was unset)."""
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 def restore_console() -> None:
     """Undo ``quiet_console`` (the env vars point at the run directory, which may be deleted after the run)."""
     global _FILE_HANDLER
@@ -107,11 +116,7 @@ def restore_console() -> None:
             tlog.enable_progress_bar()
         except Exception:  # noqa: BLE001
             pass
-    for k, v in _SAVED_ENV.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    restore_env(_SAVED_ENV)
     _SAVED_ENV.clear()
     for lg, removed, propagate in _SAVED_LOGGERS:
         if _FILE_HANDLER is not None:

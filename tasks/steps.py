@@ -489,8 +489,6 @@ def compute_advantages(key: str, batch: Batch) -> Advantages:
 def shaped(trajs: list[Trajectory], coef: float) -> list[Trajectory]:
     """The trajectories with the progress reward (``core.levers.potential_shaping``) added to their turn rewards, as
     copies: the episodes' own rewards, success and records stay as the env gave them."""
-    import dataclasses
-
     from core.levers import potential_shaping
 
     live = [t for t in trajs if not t.masked and t.turns]
@@ -498,30 +496,29 @@ def shaped(trajs: list[Trajectory], coef: float) -> list[Trajectory]:
         raise RuntimeError("algo.shaping_coef is on but the env reports no expert_remaining_turns: run a BabyAI server "
                            "with the option label_remaining=true (the run sets it on servers it spawns), or set "
                            "algo.shaping_coef=0")
-    out = []
-    for t in trajs:
-        if t.masked or not t.expert_remaining:
-            out.append(t)
-            continue
-        f = potential_shaping(t.expert_remaining, t.turns, coef)
-        out.append(dataclasses.replace(t, turn_rewards=[r + x for r, x in zip(t.turn_rewards, f)]))
-    return out
+    return _plus_turn_rewards(trajs, lambda t: potential_shaping(t.expert_remaining, t.turns, coef)
+                              if t.expert_remaining else None)
 
 
 def penalised(trajs: list[Trajectory], penalty: float) -> list[Trajectory]:
     """The trajectories with ``-penalty`` added to the reward of each turn the env flagged invalid
     (``core.levers.invalid_action_penalties``), as copies: the episodes' own rewards and records stay as they were."""
-    import dataclasses
-
     from core.levers import invalid_action_penalties
+
+    return _plus_turn_rewards(trajs, lambda t: invalid_action_penalties(t.invalid_actions, t.turns, penalty)
+                              if any(t.invalid_actions or []) else None)
+
+
+def _plus_turn_rewards(trajs: list[Trajectory],
+                       extra: Callable[[Trajectory], list[float] | None]) -> list[Trajectory]:
+    """Copies of the live trajectories with ``extra(t)`` (a reward per turn; None: nothing to add) added to their
+    turn rewards; masked and turnless ones, and those ``extra`` leaves alone, are the same objects."""
+    import dataclasses
 
     out = []
     for t in trajs:
-        if t.masked or not t.turns or not any(t.invalid_actions or []):
-            out.append(t)
-            continue
-        f = invalid_action_penalties(t.invalid_actions, t.turns, penalty)
-        out.append(dataclasses.replace(t, turn_rewards=[r + x for r, x in zip(t.turn_rewards, f)]))
+        f = None if t.masked or not t.turns else extra(t)
+        out.append(t if f is None else dataclasses.replace(t, turn_rewards=[r + x for r, x in zip(t.turn_rewards, f)]))
     return out
 
 

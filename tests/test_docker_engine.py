@@ -12,7 +12,6 @@ there: the quick ones in the default suite, the runs through the CLI in the slow
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
@@ -88,13 +87,8 @@ def test_container_killed_mid_rollout_is_replaced_and_its_episodes_rerun(client)
     replaced on its port, they run again to a score; the other container's episodes run on untouched."""
     from transformers import AutoTokenizer
 
-    from core.chat import ChatFormat
-    from envs.client import AsyncEnvClient
-    from envs.sessions import HttpEpisode
-    from runtime.backends.generation import SamplingParams
     from runtime.backends.model import resolve_model
-    from runtime.rollout import EpisodeSpec, run_rollout
-    from tests.test_rollout import Scripted
+    from tests.test_rollout import kill_one_server_mid_rollout
 
     tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
     run = f"t-{uuid.uuid4().hex[:8]}"
@@ -102,33 +96,8 @@ def test_container_killed_mid_rollout_is_replaced_and_its_episodes_rerun(client)
     b = spawn_env_server("toy", runtime="docker", docker_client=client, run=run)
     try:
         port, first = b.port, b.container.id
-        killed = []
-
-        def on_round(rnd, live, stats):
-            if rnd == 1 and not killed:  # once: the retry's first round passes this hook too
-                killed.append(b.container.id)
-                client.containers.get(b.container.id).kill()
-
-        async def heal():
-            n = 0
-            for srv in (a, b):
-                if not srv.alive():
-                    await asyncio.to_thread(srv.restart)
-                    n += 1
-            return n
-
-        async def go():
-            clients = [AsyncEnvClient(s.url, timeout_s=5, retries=1) for s in (a, b)]
-            try:
-                return await run_rollout(
-                    [EpisodeSpec(i, i) for i in range(6)], lambda i: HttpEpisode(clients[i % 2]),
-                    Scripted(tok, ["Action: open door 9", "Action: open door 1"]), ChatFormat.from_tokenizer(tok),
-                    SamplingParams(16, 1.0), 3, 2048, on_round, heal=heal, retries=1)
-            finally:
-                for c in clients:
-                    await c.aclose()
-
-        trajs, stats = asyncio.run(go())
+        trajs, stats, killed = kill_one_server_mid_rollout(tok, a, b,
+                                                           lambda: client.containers.get(b.container.id).kill())
         assert killed and b.alive() and b.port == port and b.container.id != first  # a new container, same port
         assert stats.servers_replaced == 1 and stats.retried_episodes == 3 and stats.recovered_episodes == 3
         assert not any(t.masked for t in trajs)  # retried, never scored 0

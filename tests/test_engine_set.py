@@ -52,6 +52,7 @@ def engines(toy_policy):
     from transformers import AutoTokenizer
 
     from runtime.backends import vllm_backend as vb
+    from runtime.console import restore_env
 
     if not vb.is_cpu_build():
         pytest.skip("the CPU build's loopback test (a CUDA build: tests/test_gpu.py)")
@@ -69,9 +70,7 @@ def engines(toy_policy):
     finally:
         for e in es:
             e.close()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
+        restore_env(saved)
 
 
 def _capacity(toy_policy, engine) -> int:

@@ -227,6 +227,23 @@ class _Stop(Exception):
     pass
 
 
+def _stop_at_the_first_command(monkeypatch, ls) -> list[list[str]]:
+    """The study's subprocess runner replaced: the command it is given is recorded, then ``_Stop`` is raised."""
+    seen: list[list[str]] = []
+
+    def fake_run(cmd, log, label):
+        seen.append(cmd)
+        raise _Stop
+
+    monkeypatch.setattr(ls, "_run_logged", fake_run)
+    return seen
+
+
+def _sets(cmd: list[str]) -> list[str]:
+    """The ``--set`` values of a command line, in order."""
+    return [cmd[i + 1] for i, x in enumerate(cmd) if x == "--set"]
+
+
 @pytest.mark.parametrize("arm", ["scalinginter", "fixed-short", "fixed-long", "scalinginter-gigpo",
                                  "scalinginter-fit"])
 def test_train_arm_command_gives_the_arm_its_curriculum_and_overrides(tmp_path, monkeypatch, arm):
@@ -236,13 +253,7 @@ def test_train_arm_command_gives_the_arm_its_curriculum_and_overrides(tmp_path, 
     from flows.config import build_config
 
     ls = _bench()
-    seen = []
-
-    def fake_run(cmd, log, label):
-        seen.append(cmd)
-        raise _Stop
-
-    monkeypatch.setattr(ls, "_run_logged", fake_run)
+    seen = _stop_at_the_first_command(monkeypatch, ls)
     user = ['curriculum.phases=[{"turn_limit": 1, "steps": 1}, {"turn_limit": 3, "steps": 2}]',
             "algo.estimator=grpo", "rollout.samples_per_task=2"]
     a = argparse.Namespace(env="babyai", preset="multistep", set=user, output_dir=str(tmp_path), eval_n=4,
@@ -252,7 +263,7 @@ def test_train_arm_command_gives_the_arm_its_curriculum_and_overrides(tmp_path, 
     with pytest.raises(_Stop):
         ls.train_arm(a, arm, 0, phases, 3)
     (cmd,) = seen
-    sets = [cmd[i + 1] for i, x in enumerate(cmd) if x == "--set"]
+    sets = _sets(cmd)
     cfg = build_config("babyai", "multistep", sets)  # as flows.cli applies them: in order, the last one wins
     assert [p.model_dump() for p in cfg.curriculum.phases] == arm_phases(phases, arm)
     assert cfg.algo.estimator == ("gigpo" if arm == "scalinginter-gigpo" else "grpo")
@@ -398,18 +409,12 @@ def test_the_study_evaluates_lock_step_and_reports_the_rescore(tmp_path, monkeyp
     """Every held-out evaluation of the study runs lock-step (a generation batch fixed by the tasks and outcomes,
     not by env timing); the starting model's second score is compared task by task and shown in the table."""
     ls = _bench()
-    seen = []
-
-    def fake_run(cmd, log, label):
-        seen.append(cmd)
-        raise _Stop
-
-    monkeypatch.setattr(ls, "_run_logged", fake_run)
+    seen = _stop_at_the_first_command(monkeypatch, ls)
     a = argparse.Namespace(env="babyai", set=["rollout.vllm_dtype=bfloat16"], output_dir=str(tmp_path), eval_n=8,
                            experiment="e")
     with pytest.raises(_Stop):
         ls.evaluate(a, "/m", "base", [2, 4], None, 16)
-    sets = [seen[0][i + 1] for i, x in enumerate(seen[0]) if x == "--set"]
+    sets = _sets(seen[0])
     assert "rollout.async_episodes=false" in sets and "rollout.vllm_dtype=bfloat16" in sets
 
     again = {4: [0, 0, 0, 1, 0, 0, 1, 1], 2: list(BASE[2])}  # task 6 flips at 4 turns

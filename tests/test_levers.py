@@ -324,27 +324,31 @@ def test_dynamic_sampling_keeps_the_groups_with_signal(monkeypatch):
     assert b.metrics["rollout_time_s"] == 2.0 and b.metrics["episodes"] == 16  # what the policy did: both rounds
 
 
-def test_truncated_episodes_leave_the_loss_but_not_the_baseline(monkeypatch):
-    """GRPO over a group {success 1, turn limit, failure, turn limit} without std: advantages +0.75, -0.25, -0.25,
-    -0.25; with algo.truncated=mask the two truncated rows become 0 and the others keep theirs (the truncated
-    episodes still count in the group's mean)."""
+def _step_advantages(trajs: list[Trajectory], **algo):
+    """``tasks.steps.compute_advantages`` on ``trajs`` for a toy run with these ``algo`` settings (a learner with
+    nothing to prepare: no old or reference log-probs, no critic)."""
     import tasks.steps as T
     from core.config import RunConfig
     from runtime.context import Runtime, Session
-
-    trajs = [_traj(0, 0, 1.0, "success"), _traj(0, 0, 0.0, "turn_limit"), _traj(0, 0, 0.0, "failure"),
-             _traj(0, 0, 0.0, "turn_limit")]
 
     class Learner:
         def prepare(self, samples, old_for_reward=False):
             return None
 
+    cfg = RunConfig.model_validate({"env": {"name": "toy"}, "rollout": {"backend": "transformers"}, "algo": algo})
+    with Runtime() as rt:
+        key = rt.add_session(Session(cfg=cfg, learner=Learner()))
+        return T.compute_advantages.fn(key, T.Batch(trajs, {}))
+
+
+def test_truncated_episodes_leave_the_loss_but_not_the_baseline(monkeypatch):
+    """GRPO over a group {success 1, turn limit, failure, turn limit} without std: advantages +0.75, -0.25, -0.25,
+    -0.25; with algo.truncated=mask the two truncated rows become 0 and the others keep theirs (the truncated
+    episodes still count in the group's mean)."""
+    trajs = [_traj(0, 0, 1.0, "success"), _traj(0, 0, 0.0, "turn_limit"), _traj(0, 0, 0.0, "failure"),
+             _traj(0, 0, 0.0, "turn_limit")]
     for mode, want in (("fail", [0.75, -0.25, -0.25, -0.25]), ("mask", [0.75, 0.0, -0.25, 0.0])):
-        cfg = RunConfig.model_validate({"env": {"name": "toy"}, "rollout": {"backend": "transformers"},
-                                        "algo": {"normalize_std": False, "truncated": mode}})
-        with Runtime() as rt:
-            key = rt.add_session(Session(cfg=cfg, learner=Learner()))
-            adv = T.compute_advantages.fn(key, T.Batch(trajs, {}))
+        adv = _step_advantages(trajs, normalize_std=False, truncated=mode)
         for row, t, w in zip(adv.advantages, trajs, want):
             assert row == pytest.approx([w * m for m in t.loss_mask])
         assert adv.stats["episodes_with_signal"] == (4 if mode == "fail" else 2)
@@ -518,10 +522,6 @@ def test_invalid_action_penalty_ranks_an_all_fail_group():
     """A group of four failures, with 0, 1, 2 and 1 invalid turns (of 3): without the penalty GRPO gives all 0;
     with algo.invalid_action_penalty=0.1 (no std) the sequence scores are 0, -0.1, -0.2, -0.1, mean -0.1, so the
     advantages are +0.1, 0, -0.1, 0 on every policy token; the episodes' own rewards are unchanged."""
-    import tasks.steps as T
-    from core.config import RunConfig
-    from runtime.context import Runtime, Session
-
     def traj(flags):
         t = _traj(0, 0, 0.0, "turn_limit", turns=3)
         for f in flags:
@@ -529,17 +529,8 @@ def test_invalid_action_penalty_ranks_an_all_fail_group():
         return t
 
     trajs = [traj(f) for f in ([False] * 3, [False, True, False], [True, True, False], [False, False, True])]
-
-    class Learner:
-        def prepare(self, samples, old_for_reward=False):
-            return None
-
     for pen, want in ((0.0, [0.0, 0.0, 0.0, 0.0]), (0.1, [0.1, 0.0, -0.1, 0.0])):
-        cfg = RunConfig.model_validate({"env": {"name": "toy"}, "rollout": {"backend": "transformers"},
-                                        "algo": {"normalize_std": False, "invalid_action_penalty": pen}})
-        with Runtime() as rt:
-            key = rt.add_session(Session(cfg=cfg, learner=Learner()))
-            adv = T.compute_advantages.fn(key, T.Batch(trajs, {}))
+        adv = _step_advantages(trajs, normalize_std=False, invalid_action_penalty=pen)
         for row, t, w in zip(adv.advantages, trajs, want):
             assert row == pytest.approx([w * m for m in t.loss_mask], abs=1e-6)  # float32 advantages
     assert [t.reward for t in trajs] == [0.0] * 4

@@ -272,45 +272,53 @@ def test_without_retries_or_when_failing_again_the_episode_stays_masked(tokenize
     assert stats.retried_episodes == 2 and stats.recovered_episodes == 0
 
 
-def test_http_server_killed_mid_rollout_is_replaced_and_its_episodes_rerun(tokenizer):
-    """Real env server processes: one is SIGKILLed after the first turn; its episodes are masked, the server is
-    replaced on its port, and they run again to a score. The other server's episodes are untouched."""
+def kill_one_server_mid_rollout(tokenizer, a, b, kill):
+    """Six episodes over two env servers (``a``, ``b``: anything with ``url``, ``alive()`` and ``restart()``),
+    alternating; ``kill()`` takes ``b`` down after the first round, once; the rollout heals (restarts the dead
+    server) and retries the masked episodes once. Returns (trajectories, stats, whether ``kill`` ran)."""
     from envs.client import AsyncEnvClient
-    from envs.spawn import EnvServerProcess
     from envs.sessions import HttpEpisode
     from runtime.rollout import run_rollout
 
+    killed = []
+
+    def on_round(rnd, live, stats):
+        if rnd == 1 and not killed:  # once: the retry's first round passes this hook too
+            killed.append(True)
+            kill()
+
+    async def heal():
+        n = 0
+        for srv in (a, b):
+            if not srv.alive():
+                await asyncio.to_thread(srv.restart)
+                n += 1
+        return n
+
+    async def go():
+        clients = [AsyncEnvClient(s.url, timeout_s=5, retries=1) for s in (a, b)]
+        try:
+            return await run_rollout(
+                [EpisodeSpec(i, i) for i in range(6)], lambda i: HttpEpisode(clients[i % 2]),
+                Scripted(tokenizer, ["Action: open door 9", "Action: open door 1"]),
+                ChatFormat.from_tokenizer(tokenizer), SamplingParams(16, 1.0), 3, 2048, on_round, heal=heal, retries=1)
+        finally:
+            for c in clients:
+                await c.aclose()
+
+    trajs, stats = asyncio.run(go())
+    return trajs, stats, bool(killed)
+
+
+def test_http_server_killed_mid_rollout_is_replaced_and_its_episodes_rerun(tokenizer):
+    """Real env server processes: one is SIGKILLed after the first turn; its episodes are masked, the server is
+    replaced on its port, and they run again to a score. The other server's episodes are untouched."""
+    from envs.spawn import EnvServerProcess
+
     with EnvServerProcess("toy") as a, EnvServerProcess("toy") as b:
         port, pid = b.port, b.pid
-
-        killed = []
-
-        def on_round(rnd, live, stats):
-            if rnd == 1 and not killed:  # once: the retry's first round passes this hook too
-                killed.append(b.pid)
-                b.kill()
-
-        async def heal():
-            n = 0
-            for srv in (a, b):
-                if not srv.alive():
-                    await asyncio.to_thread(srv.restart)
-                    n += 1
-            return n
-
-        async def go():
-            clients = [AsyncEnvClient(s.url, timeout_s=5, retries=1) for s in (a, b)]
-            try:
-                return await run_rollout(
-                    [EpisodeSpec(i, i) for i in range(6)], lambda i: HttpEpisode(clients[i % 2]),
-                    Scripted(tokenizer, ["Action: open door 9", "Action: open door 1"]),
-                    ChatFormat.from_tokenizer(tokenizer), SamplingParams(16, 1.0), 3, 2048, on_round, heal=heal, retries=1)
-            finally:
-                for c in clients:
-                    await c.aclose()
-
-        trajs, stats = asyncio.run(go())
-        assert b.alive() and b.port == port and b.pid != pid  # replaced on the same port
+        trajs, stats, killed = kill_one_server_mid_rollout(tokenizer, a, b, b.kill)
+        assert killed and b.alive() and b.port == port and b.pid != pid  # replaced on the same port
         assert stats.servers_replaced == 1 and stats.retried_episodes == 3 and stats.recovered_episodes == 3
         assert not any(t.masked for t in trajs)
         assert [t.attempt for t in trajs] == [1, 2, 1, 2, 1, 2]

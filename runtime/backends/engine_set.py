@@ -48,8 +48,9 @@ from typing import Any, Callable, Iterable, Iterator
 
 from core.engines import (LOCAL, EngineHost, EngineRoom, NoEngineLeft, PrefixAffinity, parse_engine_host,
                           pick_engine, plan_engines, stale_engines)
-from runtime.backends.generation import Generation, SamplingParams
+from runtime.backends.generation import Generation, SamplingParams, drain
 from runtime.backends.vllm_backend import VLLMBackend, VLLMRequests, safetensors_files
+from runtime.console import restore_env
 
 _STOP = object()
 
@@ -95,11 +96,7 @@ def _env(values: dict[str, str]) -> Iterator[None]:
     try:
         yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        restore_env(saved)
 
 
 class EngineSet:
@@ -536,13 +533,7 @@ class _EngineThread:
         inflight: set[str] = set()
         try:
             while True:
-                items = [] if inflight else [self.q.get()]
-                while True:
-                    try:
-                        items.append(self.q.get_nowait())
-                    except queue.Empty:
-                        break
-                for it in items:
+                for it in drain(self.q, [] if inflight else [self.q.get()]):
                     if it is _STOP:
                         if inflight:
                             self.requests.abort(list(inflight))
@@ -597,11 +588,7 @@ class RoutedRequests:
             items.append(self.out.get(timeout=self.POLL_S))
         except queue.Empty:
             pass
-        while True:
-            try:
-                items.append(self.out.get_nowait())
-            except queue.Empty:
-                break
+        items = drain(self.out, items)
         done = []
         for it in items:
             if it[0] == "done":

@@ -62,6 +62,16 @@ class StepEngine(Protocol):
 _STOP = object()
 
 
+def drain(q: queue.Queue, items: list | None = None) -> list:
+    """``items`` (default: a new list) with everything ``q`` holds now appended in order, without waiting."""
+    items = [] if items is None else items
+    while True:
+        try:
+            items.append(q.get_nowait())
+        except queue.Empty:
+            return items
+
+
 class RequestDriver:
     """Runs a ``StepEngine`` in its own thread for an asyncio loop: ``submit`` (on the loop) queues a request and
     returns a future the thread resolves when the request finishes. The thread adds queued requests between steps
@@ -141,13 +151,8 @@ class RequestDriver:
         stop = False
         try:
             while not stop:
-                items = [] if inflight else [self._q.get()]  # idle: sleep until something is submitted
-                while True:
-                    try:
-                        items.append(self._q.get_nowait())
-                    except queue.Empty:
-                        break
-                for it in items:
+                # idle: sleep until something is submitted
+                for it in drain(self._q, [] if inflight else [self._q.get()]):
                     if it is _STOP:
                         stop = True
                     elif it[0] == "add":
@@ -183,11 +188,7 @@ class RequestDriver:
                     self.engine.abort(list(inflight))
                 except Exception:  # noqa: BLE001 - best effort on the way out
                     pass
-            while True:  # requests queued but never added: nobody may wait on them forever
-                try:
-                    it = self._q.get_nowait()
-                except queue.Empty:
-                    break
+            for it in drain(self._q):  # requests queued but never added: nobody may wait on them forever
                 if it is not _STOP and it[0] == "add":
                     inflight[it[1]] = it[4]
             for fut in inflight.values():

@@ -55,6 +55,7 @@ from typing import Any, Callable, Iterable, Iterator
 from runtime.backends.generation import Generation, SamplingParams
 from runtime.backends.hardware import resolve_vllm_dtype
 from runtime.backends.weight_broadcast import EngineWeightsWorker
+from runtime.console import restore_env
 
 TCMALLOC_CANDIDATES = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
                        "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc_minimal.so.4")
@@ -520,11 +521,7 @@ class VLLMBackend:
                 # the engine processes inherit these fds: their output -> run log
                 self._llm = LLM(**kwargs)
         finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+            restore_env(saved)
             if self.in_process:
                 _uncache_vllm_envs()
                 if self._llm is None:  # the engine did not start: this process keeps its own set_num_threads
