@@ -48,6 +48,9 @@ SHAPES = {
     "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
                          num_key_value_heads=2, intermediate_size=8960, vocab_size=151936,
                          tie_word_embeddings=True, rope_theta=1000000.0),
+    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
+                       tie_word_embeddings=False, rope_theta=1000000.0),
 }
 WORKLOADS = {"study": dict(groups=4, samples=4, prompt=400, turns=10, act=24, obs=120),
              "paper": dict(groups=32, samples=8, prompt=400, turns=18, act=24, obs=120)}
@@ -61,9 +64,14 @@ def build_model(shape: str, tokenizer: Path, into: Path) -> Path:
     spec = dict(SHAPES[shape])
     cfg = AutoConfig.for_model(spec.pop("model_type"), max_position_embeddings=8192, **spec)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
+    # drawn on the GPU and saved in bf16 (random weights: the step's cost does not depend on them): a 7B model's
+    # fp32 initialisation on the CPU and a 30 GB write would take minutes; the learner loads them as fp32
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     out = into / shape
     model.save_pretrained(out)
+    del model
+    torch.cuda.empty_cache()
     for f in tokenizer.iterdir():
         if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "chat_template.jinja"):
             shutil.copy(f, out / f.name)
@@ -94,18 +102,24 @@ def trajectories(vocab: int, groups: int, samples: int, prompt: int, turns: int,
 
 
 def run_shape(path: Path, shape: str, work: dict, steps: int, micro_batch_tokens: int, optimizer: str = "adamw",
-              activation_checkpointing: int = 0, length_buckets: int | None = None) -> dict:
+              activation_checkpointing: int = 0, length_buckets: int | None = None, lora_rank: int = 0) -> dict:
     import torch
 
     from runtime.backends.learner import LearnerConfig, TorchLearner
+    from runtime.backends.lora import LoraSpec
+
+    lora = LoraSpec(rank=lora_rank, alpha=2.0 * lora_rank) if lora_rank else None
+    t_load = time.perf_counter()
 
     torch.cuda.reset_peak_memory_stats()
     learner = TorchLearner(str(path), LearnerConfig(lr=1e-6, kl_coef=0.001, micro_batch_size=64,
                                                     micro_batch_tokens=micro_batch_tokens, bf16_autocast=True,
                                                     device="cuda", optimizer=optimizer,
                                                     activation_checkpointing=activation_checkpointing,
-                                                    length_buckets=length_buckets))
-    params = sum(p.numel() for p in learner.model.parameters())
+                                                    length_buckets=length_buckets, lora=lora))
+    load_s = time.perf_counter() - t_load
+    params = sum(p.numel() for n, p in learner.model.named_parameters() if ".lora_" not in n)  # the base
+    trainable = sum(p.numel() for p in learner.model.parameters() if p.requires_grad)
     vocab = min(learner.tokenizer.vocab_size, SHAPES[shape]["vocab_size"])
     times = []
     for i in range(steps + 1):
@@ -133,7 +147,8 @@ def run_shape(path: Path, shape: str, work: dict, steps: int, micro_batch_tokens
            "peak_gpu_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
            "micro_batch_tokens": micro_batch_tokens, "optimizer": optimizer,
            "activation_checkpointing": activation_checkpointing, "optimizer_state_gib": round(opt_bytes / 2**30, 2),
-           "length_buckets": learner.cfg.length_buckets}
+           "length_buckets": learner.cfg.length_buckets, "lora_rank": lora_rank,
+           "trainable_params_m": round(trainable / 1e6, 2), "load_s": round(load_s, 1)}
     del learner
     torch.cuda.empty_cache()
     return row
@@ -154,6 +169,11 @@ def main() -> None:
     ap.add_argument("--length-buckets", type=int, default=None, metavar="K",
                     help="forwards run on lengths rounded up to one of K per doubling (default: the product's "
                          "algo.length_buckets default, exact lengths on a GPU; 0: exact lengths)")
+    ap.add_argument("--lora-rank", type=int, default=0, metavar="R",
+                    help="train rank-R LoRA adapters (alpha 2R, all linear layers) on the frozen base, as "
+                         "model.lora.rank=R does (0: full weights)")
+    ap.add_argument("--tmp", default=None, help="where the random models are written (default: the system's; "
+                                               "/dev/shm keeps a 7B model's 15 GB off the disk)")
     a = ap.parse_args()
     import torch
 
@@ -175,22 +195,24 @@ def main() -> None:
           f"length buckets per doubling {'default' if buckets is None else buckets}",
           flush=True)
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=a.tmp) as tmp:
         for shape in shapes:
             path = build_model(shape, Path(a.tokenizer), Path(tmp))
             rows.append(run_shape(path, shape, WORKLOADS[a.workload], a.steps, a.micro_batch_tokens, a.optimizer,
-                                  a.activation_checkpointing, buckets))
+                                  a.activation_checkpointing, buckets, a.lora_rank))
             r = rows[-1]
             print(f"{shape:>13} ({r['params_m']}M): {r['sequences']} seqs, {r['tokens_per_step']} tokens/step, "
                   f"prepare {r['prepare_s']:.2f} s + update {r['update_s']:.2f} s -> "
                   f"{r['learner_tokens_per_s']} tokens/s; peak GPU memory {r['peak_gpu_mem_gib']} GiB; "
                   f"optimizer {r['optimizer']} (state {r['optimizer_state_gib']} GiB), activation checkpointing "
-                  f"{r['activation_checkpointing']}", flush=True)
+                  f"{r['activation_checkpointing']}; LoRA rank {r['lora_rank'] or '-'} ({r['trainable_params_m']}M "
+                  f"trainable); load {r['load_s']} s", flush=True)
             shutil.rmtree(path, ignore_errors=True)
     if a.out:
         Path(a.out).write_text(json.dumps({"gpu": gpu, "torch": torch.__version__, "workload": a.workload,
                                            "workload_shape": WORKLOADS[a.workload], "optimizer": a.optimizer,
-                                           "activation_checkpointing": a.activation_checkpointing, "rows": rows},
+                                           "activation_checkpointing": a.activation_checkpointing,
+                                           "lora_rank": a.lora_rank, "rows": rows},
                                           indent=2))
 
 

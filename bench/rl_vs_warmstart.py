@@ -67,6 +67,10 @@ ARMS: dict[str, list[str]] = {
     # the best arm so far, with each invalid reply charged 0.1: the runs lost tasks by repeating an invalid action
     "groups+invalid": ["algo.lr=1e-5", "algo.kl_coef=0.05", "algo.skip_no_signal=true", "algo.expert_groups=true",
                        "algo.invalid_action_penalty=0.1"] + FIT + DYN,
+    # the best arm at one fixed horizon, the evaluation's 10 turns, for all 12 steps: do the short phases (3, 6
+    # turns) teach the habits the runs lose tasks by (the door in view opened first, an invalid reply repeated)?
+    "groups@10": ["algo.lr=1e-5", "algo.kl_coef=0.05", "algo.skip_no_signal=true", "algo.expert_groups=true"] + FIT
+                 + DYN + ['curriculum.phases=[{"turn_limit":10,"steps":12}]'],
     "+groups": RECIPE + ["algo.expert_groups=true"],  # all-fail groups get the expert's episode of the task
     "+shape": RECIPE + ["algo.shaping_coef=0.1"],  # progress reward from the expert's remaining turns
     "+g8": RECIPE + ["rollout.tasks_per_step=2", "rollout.samples_per_task=8"],

@@ -283,6 +283,61 @@ def test_cuda_learner_matches_cpu_learner():
 
 @pytest.mark.gpu
 @needs_cuda
+def test_cuda_lora_learner_matches_cpu_lora_learner():
+    """``model.lora`` (issue 48) on CUDA: one update at lr 0 of rank-16 adapters on all linear layers gives the CPU
+    LoRA learner's loss and adapter gradients (fp32: 1e-4 relative; bf16 autocast with the frozen base stored in
+    bf16: within twice what bf16 alone moves them on the CPU), only adapter tensors get gradients, and the KL
+    reference (the base with the adapters off) equals the base's log-probs on the GPU too."""
+    import torch
+
+    from runtime.backends.learner import LearnerConfig, TorchLearner
+    from runtime.backends.lora import LoraSpec
+    from runtime.backends.model import resolve_model
+    from tests.grads import record_grads
+
+    path = os.environ.get("SCALINGINTER_TEST_MODEL") or resolve_model("smollm2-135m")
+    kw = dict(lr=0.0, kl_coef=0.01, micro_batch_size=2, grad_clip=1e9, temperature=1.0,
+              lora=LoraSpec(rank=16, alpha=32.0))
+
+    def make(device: str, bf16: bool):
+        learner = TorchLearner(path, LearnerConfig(bf16_autocast=bf16, device=device, **kw))
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():  # the same adapters on both devices, B != 0 (fresh B = 0: A's gradients would be 0)
+            for n, p in learner.model.named_parameters():
+                if ".lora_" in n:
+                    p.copy_(0.02 * torch.randn(p.shape, generator=g))
+        return learner, record_grads(learner)
+
+    cpu, g_cpu = make("cpu", False)
+    s_cpu = cpu.update(*_batch())
+    assert g_cpu and all(".lora_A." in k or ".lora_B." in k for k in g_cpu)
+    assert any(float(v.abs().max()) > 0 for k, v in g_cpu.items() if ".lora_A." in k)
+    cpu_bf16, g_cpu_bf16 = make("cpu", True)
+    s_cpu_bf16 = cpu_bf16.update(*_batch())
+    bf16_noise = _rel(g_cpu_bf16, g_cpu)
+    print(f"\nLoRA, CPU bf16 vs fp32: grad rel diff {bf16_noise:.2e}; loss {s_cpu['loss']:.6f} vs {s_cpu_bf16['loss']:.6f}")
+    del cpu_bf16
+    seq = _batch()[0][0].token_ids
+    for bf16, grad_tol, loss_tol in ((False, 1e-4, 1e-4), (True, max(2 * bf16_noise, 2e-2), 1e-2)):
+        gpu, g_gpu = make("cuda", bf16)
+        assert gpu.ref is None and next(gpu.model.parameters()).device.type == "cuda"
+        if not bf16:  # the reference is the base with the adapters off: the CPU learner's reference, on the GPU
+            want = cpu.sequence_logprobs([seq], reference=True)[0]
+            got = gpu.sequence_logprobs([seq], reference=True)[0]
+            assert max(abs(a - b) for a, b in zip(got, want)) < 1e-3
+        s_gpu = gpu.update(*_batch())
+        assert set(g_gpu) == set(g_cpu)
+        rel = _rel(g_gpu, g_cpu)
+        print(f"LoRA bf16={bf16}: loss cpu {s_cpu['loss']:.6f} cuda {s_gpu['loss']:.6f}; grad rel diff {rel:.2e}; "
+              f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
+        assert abs(s_gpu["loss"] - s_cpu["loss"]) <= loss_tol * max(1.0, abs(s_cpu["loss"]))
+        assert rel < grad_tol
+        del gpu
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.skipif(not HAS_BNB, reason="bitsandbytes not installed")
 def test_cuda_adamw8bit_tracks_adamw():
     """``algo.optimizer=adamw8bit`` on CUDA (bitsandbytes' CUDA kernels): from the same weights and batch, four
