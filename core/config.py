@@ -86,7 +86,8 @@ class LoraConfig(_Strict):
                             "request, only the adapter synced after an update), merged (the adapter merged into "
                             "the engine's weights, a full weight sync after every update; for builds or "
                             "architectures vLLM serves no LoRA for) or auto (adapter where the vLLM build and "
-                            "the model's architecture take LoRA, else merged, said in the log).")
+                            "the model's architecture take LoRA, else merged, said in the log; merged on vLLM's CPU "
+                            "build, whose LoRA kernels generate several times slower than merged weights).")
 
     @field_validator("target_modules", mode="before")
     @classmethod

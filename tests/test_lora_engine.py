@@ -38,7 +38,9 @@ def main(work):
 
     work = Path(work)
     base = make_base(work / "base", 7)
-    cfg = build_config("toy", None, [f"model.path={base}", "model.lora.rank=8", "model.bf16_autocast=false",
+    # adapter serving asked for: auto merges on the CPU build (its LoRA kernels generate several times slower)
+    cfg = build_config("toy", None, [f"model.path={base}", "model.lora.rank=8", "model.lora.engine=adapter",
+                                     "model.bf16_autocast=false",
                                      "rollout.vllm_dtype=float32", "rollout.vllm_in_process=true",
                                      "rollout.vllm_kv_cache_gb=0.0625", "rollout.token_budget=256",
                                      "rollout.max_new_tokens=16", "algo.lr=0.05", "algo.micro_batch_size=2"])
