@@ -237,6 +237,21 @@ def _rel(a, b) -> float:
     return (num / den) ** 0.5
 
 
+def _update_matches(learner, grads: dict, cpu_stats: dict, cpu_grads: dict, grad_tol: float, loss_tol: float,
+                    label: str) -> dict:
+    """One update of ``learner`` on ``_batch()`` (``grads``: its gradients, recorded at the optimizer step) against
+    the CPU learner's (``cpu_stats``, ``cpu_grads``): the same tensors get gradients, the loss is within
+    ``loss_tol`` (relative, absolute below 1) and the gradients within ``grad_tol`` (relative). Returns its stats."""
+    stats = learner.update(*_batch())
+    assert set(grads) == set(cpu_grads)
+    rel = _rel(grads, cpu_grads)
+    print(f"\n{label}: loss cpu {cpu_stats['loss']:.6f} cuda {stats['loss']:.6f}; grad rel diff {rel:.2e}; "
+          f"grad norm cpu {cpu_stats['grad_norm']:.4f} cuda {stats['grad_norm']:.4f}")
+    assert abs(stats["loss"] - cpu_stats["loss"]) <= loss_tol * max(1.0, abs(cpu_stats["loss"]))
+    assert rel < grad_tol
+    return stats
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_learner_matches_cpu_learner():
@@ -266,14 +281,8 @@ def test_cuda_learner_matches_cpu_learner():
         gpu = TorchLearner(path, LearnerConfig(bf16_autocast=bf16, device="cuda", length_buckets=buckets, **kw))
         assert next(gpu.model.parameters()).device.type == "cuda" and gpu.ref is not None
         assert next(gpu.ref.parameters()).device.type == "cuda"
-        g_gpu = record_grads(gpu)
-        s_gpu = gpu.update(*_batch())
-        assert set(g_gpu) == set(g_cpu)
-        rel = _rel(g_gpu, g_cpu)
-        print(f"\nbf16={bf16}, length buckets {buckets}: loss cpu {s_cpu['loss']:.6f} cuda {s_gpu['loss']:.6f}; "
-              f"grad rel diff {rel:.2e}; grad norm cpu {s_cpu['grad_norm']:.4f} cuda {s_gpu['grad_norm']:.4f}")
-        assert abs(s_gpu["loss"] - s_cpu["loss"]) <= loss_tol * max(1.0, abs(s_cpu["loss"]))
-        assert rel < grad_tol
+        s_gpu = _update_matches(gpu, record_grads(gpu), s_cpu, g_cpu, grad_tol, loss_tol,
+                                f"bf16={bf16}, length buckets {buckets}")
         assert s_gpu["grad_norm"] == pytest.approx(s_cpu["grad_norm"], rel=1e-4 if not bf16 else max(2 * bf16_norm, 1e-2))
         del gpu
         import torch
@@ -325,13 +334,8 @@ def test_cuda_lora_learner_matches_cpu_lora_learner():
             want = cpu.sequence_logprobs([seq], reference=True)[0]
             got = gpu.sequence_logprobs([seq], reference=True)[0]
             assert max(abs(a - b) for a, b in zip(got, want)) < 1e-3
-        s_gpu = gpu.update(*_batch())
-        assert set(g_gpu) == set(g_cpu)
-        rel = _rel(g_gpu, g_cpu)
-        print(f"LoRA bf16={bf16}: loss cpu {s_cpu['loss']:.6f} cuda {s_gpu['loss']:.6f}; grad rel diff {rel:.2e}; "
-              f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
-        assert abs(s_gpu["loss"] - s_cpu["loss"]) <= loss_tol * max(1.0, abs(s_cpu["loss"]))
-        assert rel < grad_tol
+        _update_matches(gpu, g_gpu, s_cpu, g_cpu, grad_tol, loss_tol, f"LoRA bf16={bf16}")
+        print(f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
         del gpu
         torch.cuda.empty_cache()
 

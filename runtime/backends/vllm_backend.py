@@ -1039,7 +1039,7 @@ def release_weights_for(cfg) -> bool:
     served as adapters (``model.lora.engine=adapter``, or ``auto`` on a GPU build): the base stays loaded, only the
     adapter moves."""
     lo = getattr(cfg.model, "lora", None)
-    if lo is not None and lo.enabled and (lo.engine == "adapter" or (lo.engine == "auto" and not is_cpu_build())):
+    if lo is not None and lo.enabled and lora_engine_asked(lo) != "merged":
         return False
     return release_kv_for(cfg) and bool(cfg.rollout.vllm_release_weights)
 
@@ -1080,6 +1080,14 @@ def engine_serves_lora(model_dir: str) -> tuple[bool, str]:
     return False, f"vLLM has no class for {archs}"
 
 
+def lora_engine_asked(lo) -> str:
+    """``model.lora.engine`` as far as the config and the build decide it: ``adapter``, ``merged``, or ``auto`` left
+    to the model's architecture (``engine_serves_lora``). ``auto`` merges on vLLM's CPU build: measured on the smoke
+    demo (2-core AVX512-BF16 CPU, SmolLM2-135M, rank 16), 18 generated tokens/s with the adapter as a LoRA request
+    against 97-108 with it merged, while the merged weights' sync took 0.6 s a step."""
+    return "merged" if lo.engine == "auto" and is_cpu_build() else lo.engine
+
+
 @dataclass
 class LoraServing:
     """How a session's engine serves a LoRA policy (``lora_serving``): ``mode`` adapter (a LoRA request) or merged
@@ -1113,16 +1121,14 @@ def lora_serving(cfg, model_dir: str, learner=None) -> "LoraServing | None":
     else:
         return None
     rank = max(lo.rank, source.rank if source is not None else 0)
-    if lo.engine == "auto" and is_cpu_build():
-        # measured on the smoke demo (2-core AVX512-BF16 CPU, SmolLM2-135M, rank 16): 18 generated tokens/s with the
-        # adapter as a LoRA request against 97-108 with it merged, while the merged weights' sync took 0.6 s a step
-        mode, why = "merged", ("vLLM's CPU build generates several times slower with a LoRA request than with the "
-                               "adapter merged into its weights")
-    elif lo.engine == "auto":
+    mode = lora_engine_asked(lo)
+    if mode == "auto":
         ok, why = engine_serves_lora(base)
         mode = "adapter" if ok else "merged"
+    elif lo.engine == "auto":
+        why = "vLLM's CPU build generates several times slower with a LoRA request than with the adapter merged in"
     else:
-        mode, why = lo.engine, f"model.lora.engine={lo.engine}"
+        why = f"model.lora.engine={lo.engine}"
     return LoraServing(mode, str(base), source, rank if mode == "adapter" else 0, why)
 
 
