@@ -415,7 +415,8 @@ def step_row(i: int, gstep: int, limit: int, wall: float, ledger: dict[str, floa
     live = [t for t in samples if not t.masked and t.num_policy_tokens > 0]
     times = step_parts(ledger, wall, ro, seconds)
     tok = {"generated": int(batch.metrics.get("generated_tokens", 0)),
-           "sequence": sum(len(t.token_ids) for t in live), "policy": sum(t.num_policy_tokens for t in live)}
+           "sequence": sum(len(t.token_ids) for t in live), "policy": sum(t.num_policy_tokens for t in live),
+           "sequences": len(live), "skipped_sequences": int(upd.get("skipped_episodes", 0))}
     for stage in ("advantages", "update"):
         for k in ("slots", "real", "row_pad", "bucket_pad", "forwards"):
             tok[f"{stage}.{k}"] = tokens.get(f"{stage}.{k}", 0)
@@ -437,7 +438,8 @@ def print_step(row: dict[str, Any]) -> None:
     print(f"step {row['step']} (global {row['global_step']}, turn limit {row['turn_limit']}): {t['step']:.1f} s; "
           f"rollout {t['rollout']:.1f}, advantages {t['advantages']:.1f}, update {t['update']:.1f} (forward "
           f"{t['update.forward']:.1f}, backward {t['update.backward']:.1f}, optimizer {t['update.optimizer']:.1f}), "
-          f"sync {t['weight_sync']:.1f}; {row['episodes']} episodes, mean {row['mean_turns']:.1f} turns, "
+          f"sync {t['weight_sync']:.1f}; {row['episodes']} episodes ({tok['skipped_sequences']} skipped by the update), "
+          f"mean {row['mean_turns']:.1f} turns, "
           f"{tok['update.slots']} update slots ({100 * padding_share(tok['update.slots'], tok['update.real']):.0f}% "
           f"padding)", flush=True)
 
@@ -471,6 +473,8 @@ def report(res: dict[str, Any]) -> str:
     lines += [tok_line("tokens generated", lambda t: t["generated"]),
               tok_line("learner sequences' tokens", lambda t: t["sequence"]),
               tok_line("  of them policy tokens", lambda t: t["policy"]),
+              tok_line("learner sequences", lambda t: t["sequences"]),
+              tok_line("  skipped by the update (advantage 0 everywhere)", lambda t: t["skipped_sequences"]),
               tok_line("update forwards' token slots", lambda t: t["update.slots"]),
               tok_line("  padding share", lambda t: 100 * padding_share(t["update.slots"], t["update.real"]), pct),
               tok_line("    to the longest row", lambda t: 100 * t["update.row_pad"] / max(1, t["update.slots"]), pct),

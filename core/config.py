@@ -365,6 +365,13 @@ class AlgoConfig(_Strict):
     loss_agg: Literal["token-mean", "seq-mean"] = Field(
         "token-mean", description="Loss aggregation: mean over all policy tokens, or mean of per-sequence means.")
     critic: CriticConfig = Field(default_factory=CriticConfig, description="PPO critic (ignored otherwise).")
+    skip_zero_advantage: bool = Field(
+        True, description="Episodes whose advantage is 0 on every token (a group in which every sample scored the "
+                          "same) skip the update's forward and backward when nothing else in the loss reads them (no "
+                          "KL term in the loss, no critic, one rank): their gradient is exactly 0, and they still "
+                          "count in the loss's denominator, so the update is the same. The update's entropy and "
+                          "log-prob mismatch are then those of the episodes it ran (train/skipped_episodes says how "
+                          "many did not). false: every episode runs.")
     micro_batch_size: int = Field(4, ge=1, description="Sequences per forward/backward pass.")
     micro_batch_tokens: int | None = Field(
         2048, ge=1, description="At most this many padded tokens (sequences x the longest) per forward/backward "

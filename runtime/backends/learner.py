@@ -42,6 +42,7 @@ class LearnerConfig:
     clip: float = 0.2
     grad_clip: float = 1.0
     micro_batch_size: int = 4
+    skip_zero_advantage: bool = False  # episodes with an all-zero advantage skip the forward when nothing reads them
     micro_batch_tokens: int | None = None  # padded tokens per forward/backward (core.losses.micro_batches)
     mini_batches: int = 1
     ppo_epochs: int = 1
@@ -157,6 +158,8 @@ class _UpdateTally:
     n_tokens: int = 0
     grad_norms: list[float] = field(default_factory=list)
     critic_norms: list[float] = field(default_factory=list)
+    skipped: int = 0  # sequences whose forward and backward skip_zero_advantage left out (over all mini-batches)
+    weight_share: float = 1.0  # the current mini-batch's trained sequences' share of its policy-token weight
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
@@ -443,10 +446,17 @@ class TorchLearner:
         return ids, att
 
     def _plain_hidden(self, core, ids, att):
-        """The last hidden states predicting tokens 1..T-1 of ``ids`` ([B, T]), one forward, bucketed length."""
+        """The last hidden states predicting tokens 1..T-1 of ``ids`` ([B, T]), one forward, bucketed length.
+
+        Rows padded on the right only (as ``_pad`` and ``_padded`` pad) run without an attention mask: causal
+        attention already keeps every real position off the padding after it, so the real positions' outputs are
+        the masked forward's, and SDPA then takes its causal kernel, which skips the blocks above the diagonal,
+        instead of the masked one, which computes them all (about a quarter of the update's time on the CPU for
+        ~1,000-token episodes: bench/bench_multistep.py). The padding positions' outputs differ and are never read."""
         T = ids.shape[1]
         ids, att = self._padded(ids, att, T)
-        return core.base_model(input_ids=ids, attention_mask=att).last_hidden_state[:, :T - 1]
+        right_padded = bool((att[:, 1:] <= att[:, :-1]).all())
+        return core.base_model(input_ids=ids, attention_mask=None if right_padded else att).last_hidden_state[:, :T - 1]
 
     def _bucket_prefix(self, b):
         """A shared-prefix block with its prefix cut down to a bucketed length (``bucket_floor``: the rest of each row
@@ -717,13 +727,39 @@ class TorchLearner:
         self._zero_grad()
         if self.critic is not None:
             self.critic.zero_grad()
-        for s, e in self._micro([len(batch.prepared.seqs[k]) for k in mini]):
-            self._train_micro_batch(batch, mini[s:e], w_seq[s:e], tally)
+        run, w_run = self._trained_rows(batch, mini, w_seq, tally)
+        for s, e in self._micro([len(batch.prepared.seqs[k]) for k in run]):
+            self._train_micro_batch(batch, run[s:e], w_run[s:e], tally)
         if batch.expert is not None:
             self._train_expert(self._expert_share(batch, tally), batch.expert[1], tally)
         tally.grad_norms.append(self._step())
         if self.critic is not None:
             tally.critic_norms.append(self.critic.step())
+
+    def _trained_rows(self, batch: "_UpdateBatch", mini: list[int], w_seq: list[float],
+                      tally: "_UpdateTally") -> tuple[list[int], list[float]]:
+        """The mini-batch's sequences that run a forward and backward, and their weights: all of them, or with
+        ``skip_zero_advantage`` those with a nonzero advantage on a policy token. Skipping the others is exact when
+        nothing else in the loss reads them: the clipped policy loss of a token with advantage 0 is 0 whatever its
+        ratio, and their policy tokens stay in the weights' denominator (``w_seq`` is the whole mini-batch's). A KL
+        term in the loss, a critic (its values of every sequence) and data-parallel ranks (each rank's micro-batch
+        count) read them, and so does a mini-batch with no sequence left (its optimizer step must still see zero
+        gradients: AdamW's momentum moves the weights). The trained ones' share of the policy-token weight goes to
+        ``tally.weight_share`` (the entropy is rescaled by it: the token-mean over the trained sequences)."""
+        tally.weight_share = 1.0
+        if (not self.cfg.skip_zero_advantage or self.critic is not None or self._data_parallel_ranks() > 1
+                or (batch.kl_coef and batch.prepared.ref is not None)):
+            return mini, w_seq
+        p = batch.prepared
+        keep = [j for j, k in enumerate(mini)
+                if any(a != 0 and m for a, m in zip(batch.advantages[p.live[k]], batch.traj(k).loss_mask))]
+        if not keep or len(keep) == len(mini):
+            return mini, w_seq
+        weight = [w * batch.traj(k).num_policy_tokens for k, w in zip(mini, w_seq)]
+        total = sum(weight)
+        tally.weight_share = sum(weight[j] for j in keep) / total if total else 1.0
+        tally.skipped += len(mini) - len(keep)
+        return [mini[j] for j in keep], [w_seq[j] for j in keep]
 
     def _mini_batch_weights(self, n_pol: list[int]) -> list[float]:
         """Each sequence's loss weight, normalised by the whole mini-batch over all data-parallel ranks
@@ -772,7 +808,7 @@ class TorchLearner:
             kl_w = weights * self._dev(pad_rows([sampled_mask(batch.traj(k)) for k in ks], T))
         loss, st = policy_loss(logp, old_t, ref_t, adv, weights, self.cfg.clip, batch.kl_coef, kl_weights=kl_w)
         self._backward(loss)
-        st["entropy"] = float((ent * weights).sum())
+        st["entropy"] = float((ent * weights).sum()) / tally.weight_share  # token-mean over the trained sequences
         st["loss"] = float(loss.detach())
         if self.critic is not None:
             st.update(self.critic.accumulate(
@@ -802,6 +838,7 @@ class TorchLearner:
         if tally.critic_norms:
             stats["critic_grad_norm"] = sum(tally.critic_norms) / len(tally.critic_norms)
         stats["optimizer_steps"] = float(n_mini)
+        stats["skipped_episodes"] = float(tally.skipped) / max(1, self.cfg.ppo_epochs)
         dt = time.time() - t0
         stats["update_tokens_per_s"] = n_tokens / dt if dt > 0 else 0.0
         stats["update_time_s"] = dt
