@@ -26,7 +26,8 @@ step when ``--steps 1``), with each part's share of the step's wall time:
 - update, split into forward (the learner's log-prob forwards), backward, optimizer (gradient clipping and the
   step) and the rest (batching, loss, the engine's sleep, heap trims);
 - weight sync (the generation engine gets the new weights), and what is in no stage;
-- tokens (generated; the learner's sequences; their policy tokens) and the learner's forwards: token slots run,
+- tokens (generated; the learner's sequences; their policy tokens), the sequences the update skipped (advantage 0
+  everywhere: ``algo.skip_zero_advantage``) and the learner's forwards: token slots run,
   the share of them that is padding (rows padded to the longest in the micro-batch, then to the length bucket:
   ``core.buckets``), and the tokens a group's shared prompt saved;
 - an estimate of the update's matmul rate (6 x the decoder's linear weights x the forward slots, plus the
@@ -416,7 +417,8 @@ def step_row(i: int, gstep: int, limit: int, wall: float, ledger: dict[str, floa
     times = step_parts(ledger, wall, ro, seconds)
     tok = {"generated": int(batch.metrics.get("generated_tokens", 0)),
            "sequence": sum(len(t.token_ids) for t in live), "policy": sum(t.num_policy_tokens for t in live),
-           "sequences": len(live), "skipped_sequences": int(upd.get("skipped_episodes", 0))}
+           "sequences": len(live), "skipped_sequences": int(upd.get("skipped_episodes", 0)),
+           "skipped_tokens": int(upd.get("skipped_tokens", 0))}
     for stage in ("advantages", "update"):
         for k in ("slots", "real", "row_pad", "bucket_pad", "forwards"):
             tok[f"{stage}.{k}"] = tokens.get(f"{stage}.{k}", 0)
@@ -481,7 +483,8 @@ def report(res: dict[str, Any]) -> str:
               tok_line("    to the length bucket", lambda t: 100 * t["update.bucket_pad"] / max(1, t["update.slots"]),
                        pct),
               tok_line("  prompt tokens shared (run once per group)",
-                       lambda t: t["sequence"] - t["update.real"] if t["update.slots"] else 0)]
+                       lambda t: t["sequence"] - t.get("skipped_tokens", 0) - t["update.real"]
+                       if t["update.slots"] else 0)]
     if any(r["tokens"]["advantages.slots"] for r in rows):
         lines.append(tok_line("advantages forwards' slots", lambda t: t["advantages.slots"]))
         lines.append(tok_line("  padding share",

@@ -39,6 +39,25 @@ def test_multistep_preset():
     assert "paper" in PRESETS and "multistep" not in str(PRESETS["paper"])
 
 
+def test_multistep_rl_preset_is_the_measured_arm():
+    """`--preset multistep-rl` resolves to the settings the rl-vs-warmstart `groups@10` arm ran with (the multistep
+    preset plus the arm's overrides; the bench's own output, runtime and evaluation settings left aside)."""
+    import sys
+    from pathlib import Path
+
+    from flows.config import build_config
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from rl_vs_warmstart import ARMS, BASE
+
+    arm = [s for s in BASE + ARMS["groups@10"] if not s.startswith("env.runtime")]
+    a = build_config("babyai", "multistep", arm + ["eval.turn_limit=10"]).model_dump()
+    b = build_config("babyai", "multistep-rl").model_dump()
+    assert b.pop("preset") == "multistep-rl" and a.pop("preset") == "multistep"
+    assert a == b
+    assert b["curriculum"]["phases"] == [{**b["curriculum"]["phases"][0], "turn_limit": 10, "steps": 12}]
+
+
 def test_multistep_sample_is_labelled_and_solved_within_its_label():
     """200 held-out tasks: every one gets a label, the expert solves >= 99 % of them through the env's text
     actions in exactly that many turns, and the labels spread over the turn-limit buckets."""

@@ -240,6 +240,7 @@ def test_zero_advantage_episodes_skip_the_forward_with_the_same_update(tiny_mode
     (plain, g_plain, ran_plain), (skip, g_skip, ran_skip) = runs[False], runs[True]
     assert ran_plain == list(range(6)) and ran_skip == [2, 3, 5]  # live positions = batch positions here
     assert skip["skipped_episodes"] == 3 and plain["skipped_episodes"] == 0
+    assert skip["skipped_tokens"] == sum(len(trajs[i].token_ids) for i in (0, 1, 4))
     assert skip["loss"] == pytest.approx(plain["loss"], rel=1e-5, abs=1e-7)
     # each optimizer step's gradients (AdamW's first step is lr x sign(g): weights after it would amplify noise)
     assert len(g_plain) == len(g_skip) == mini_batches

@@ -60,6 +60,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         "algo": {"lr": 3e-5, "kl_coef": 0.0, "micro_batch_size": 4},
         "eval": {"n": 140},
     },
+    # RL that improves a behaviour-cloning warm start of the multistep levels (scalinginter warmstart ... --out DIR;
+    # run with --set model.path=DIR): the rl-vs-warmstart `groups@10` arm's settings, 12 steps of 4 tasks x 4
+    # samples at the evaluation's 10 turns, lr 1e-5, a KL of 0.05 to the warm start, no update without signal, tasks
+    # whose expert fits the turn limit, one dynamic-sampling round, and the expert's episode in each group whose
+    # samples all failed. What it measured: docs/results/rl-vs-warmstart.md.
+    "multistep-rl": {
+        "env": {"options": {"levels": "GoToLocal,PickupLoc,OpenTwoDoors,UnlockLocal,PutNextS4N1,UnlockPickup,"
+                                      "KeyCorridorS3R1"}},
+        "curriculum": {"phases": [{"turn_limit": 10, "steps": 12}]},
+        "rollout": {"tasks_per_step": 4, "samples_per_task": 4, "max_new_tokens": 24, "token_budget": 3072,
+                    "temperature": 1.0, "task_filter": "fits_turns", "dynamic_sampling_rounds": 1},
+        "algo": {"lr": 1e-5, "kl_coef": 0.05, "micro_batch_size": 4, "skip_no_signal": True, "expert_groups": True},
+        "eval": {"n": 140, "turn_limit": 10},
+    },
     # The smallest real run, for end-to-end tests: 1 step per phase, few short episodes.
     "tiny": {
         "env": {"options": {"levels": "GoToObj"}},

@@ -159,6 +159,7 @@ class _UpdateTally:
     grad_norms: list[float] = field(default_factory=list)
     critic_norms: list[float] = field(default_factory=list)
     skipped: int = 0  # sequences whose forward and backward skip_zero_advantage left out (over all mini-batches)
+    skipped_tokens: int = 0  # and their tokens
     weight_share: float = 1.0  # the current mini-batch's trained sequences' share of its policy-token weight
 
 
@@ -759,6 +760,7 @@ class TorchLearner:
         total = sum(weight)
         tally.weight_share = sum(weight[j] for j in keep) / total if total else 1.0
         tally.skipped += len(mini) - len(keep)
+        tally.skipped_tokens += sum(len(p.seqs[k]) for j, k in enumerate(mini) if j not in set(keep))
         return [mini[j] for j in keep], [w_seq[j] for j in keep]
 
     def _mini_batch_weights(self, n_pol: list[int]) -> list[float]:
@@ -839,6 +841,7 @@ class TorchLearner:
             stats["critic_grad_norm"] = sum(tally.critic_norms) / len(tally.critic_norms)
         stats["optimizer_steps"] = float(n_mini)
         stats["skipped_episodes"] = float(tally.skipped) / max(1, self.cfg.ppo_epochs)
+        stats["skipped_tokens"] = float(tally.skipped_tokens) / max(1, self.cfg.ppo_epochs)
         dt = time.time() - t0
         stats["update_tokens_per_s"] = n_tokens / dt if dt > 0 else 0.0
         stats["update_time_s"] = dt
