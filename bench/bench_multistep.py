@@ -440,8 +440,8 @@ def print_step(row: dict[str, Any]) -> None:
     print(f"step {row['step']} (global {row['global_step']}, turn limit {row['turn_limit']}): {t['step']:.1f} s; "
           f"rollout {t['rollout']:.1f}, advantages {t['advantages']:.1f}, update {t['update']:.1f} (forward "
           f"{t['update.forward']:.1f}, backward {t['update.backward']:.1f}, optimizer {t['update.optimizer']:.1f}), "
-          f"sync {t['weight_sync']:.1f}; {row['episodes']} episodes ({tok['skipped_sequences']} skipped by the update), "
-          f"mean {row['mean_turns']:.1f} turns, "
+          f"sync {t['weight_sync']:.1f}; {row['episodes']} episodes ({tok['skipped_sequences']} skipped by the "
+          f"update), mean {row['mean_turns']:.1f} turns, "
           f"{tok['update.slots']} update slots ({100 * padding_share(tok['update.slots'], tok['update.real']):.0f}% "
           f"padding)", flush=True)
 

@@ -324,7 +324,8 @@ def test_cuda_lora_learner_matches_cpu_lora_learner():
     cpu_bf16, g_cpu_bf16 = make("cpu", True)
     s_cpu_bf16 = cpu_bf16.update(*_batch())
     bf16_noise = _rel(g_cpu_bf16, g_cpu)
-    print(f"\nLoRA, CPU bf16 vs fp32: grad rel diff {bf16_noise:.2e}; loss {s_cpu['loss']:.6f} vs {s_cpu_bf16['loss']:.6f}")
+    print(f"\nLoRA, CPU bf16 vs fp32: grad rel diff {bf16_noise:.2e}; "
+          f"loss {s_cpu['loss']:.6f} vs {s_cpu_bf16['loss']:.6f}")
     del cpu_bf16
     seq = _batch()[0][0].token_ids
     for bf16, grad_tol, loss_tol in ((False, 1e-4, 1e-4), (True, max(2 * bf16_noise, 2e-2), 1e-2)):

@@ -219,8 +219,8 @@ def test_single_step_update_takes_old_logprobs_from_its_own_forward(tiny_model_d
 @pytest.mark.parametrize("mini_batches", [1, 2])
 def test_zero_advantage_episodes_skip_the_forward_with_the_same_update(tiny_model_dir, mini_batches):
     """algo.skip_zero_advantage: the episodes whose advantage is 0 everywhere run no forward or backward, and the
-    update is the one that runs them all (same weights after the step, same loss); the entropy is the token-mean
-    over the episodes it ran. Two mini-batches: each optimizer step's own skip (old log-probs prepared)."""
+    update is the one that runs them all (the same gradients at each optimizer step, the same loss); the entropy is
+    the token-mean over the episodes it ran. Two mini-batches: each optimizer step's own skip (old log-probs prepared)."""
     base = dict(lr=1e-2, kl_coef=0.0, micro_batch_size=2, bf16_autocast=False, mini_batches=mini_batches)
     runs = {}
     for skip in (False, True):
@@ -517,9 +517,12 @@ def test_right_padded_rows_run_without_a_mask_with_the_same_logprobs_and_gradien
         base = learner.model.model
         real = base.forward
         if masked:  # the forward as it ran before: the padding mask passed on
-            learner._plain_hidden = lambda core, ids, att: real(
-                *learner._padded(ids, att, ids.shape[1])[:1], attention_mask=learner._padded(
-                    ids, att, ids.shape[1])[1]).last_hidden_state[:, :ids.shape[1] - 1]
+            def with_mask(core, ids, att, learner=learner, real=real):
+                T = ids.shape[1]
+                ids, att = learner._padded(ids, att, T)
+                return real(input_ids=ids, attention_mask=att).last_hidden_state[:, :T - 1]
+
+            learner._plain_hidden = with_mask
         base.forward = lambda *a, **k: (masks_seen.append(k.get("attention_mask")), real(*a, **k))[1]
         ids, att = learner._pad(seqs)
         assert int(att.sum()) < att.numel()  # the rows are padded

@@ -308,7 +308,8 @@ def test_learning_study_toy(tmp_path):
 @pytest.mark.slow
 def test_learning_study_multistep_toy(tmp_path, toy_policy):
     """``scalinginter study`` on three of the multistep preset's arms (a fixed horizon, GiGPO and matched tasks: the
-    other arms differ from these only in their overrides) end to end at toy size: the multistep preset's levels with a 1 -> 2 turn curriculum of one step per phase, the tiny
+    other arms differ from these only in their overrides) end to end at toy size: the multistep preset's levels
+    with a 1 -> 2 turn curriculum of one step per phase, the tiny
     warm-started Llama of tests/toypolicy.py, one seed, four held-out tasks, budgets 1 and 2. Checks that the GiGPO
     arm trained with GiGPO and the fit arm on tasks matched to its limits, that the report carries the tasks'
     required-turns labels, the per-bucket results, curves and diagnostics, the comparisons, and the starting

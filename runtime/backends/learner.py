@@ -759,8 +759,10 @@ class TorchLearner:
         weight = [w * batch.traj(k).num_policy_tokens for k, w in zip(mini, w_seq)]
         total = sum(weight)
         tally.weight_share = sum(weight[j] for j in keep) / total if total else 1.0
-        tally.skipped += len(mini) - len(keep)
-        tally.skipped_tokens += sum(len(p.seqs[k]) for j, k in enumerate(mini) if j not in set(keep))
+        kept = set(keep)
+        skipped = [k for j, k in enumerate(mini) if j not in kept]
+        tally.skipped += len(skipped)
+        tally.skipped_tokens += sum(len(p.seqs[k]) for k in skipped)
         return [mini[j] for j in keep], [w_seq[j] for j in keep]
 
     def _mini_batch_weights(self, n_pol: list[int]) -> list[float]:
