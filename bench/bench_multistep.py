@@ -1,7 +1,7 @@
 """Where a multi-step training step's time goes: N steps of the ``multistep`` preset from a fixed checkpoint.
 
-    python bench/bench_multistep.py [--steps 2] [--seed 0] [--model DIR] [--phase K] [--set key=value ...]
-                                    [--out FILE.json] [--log FILE]
+    python bench/bench_multistep.py [--steps 2] [--seed 0] [--model DIR] [--preset NAME] [--phase K]
+                                    [--set key=value ...] [--out FILE.json] [--log FILE]
 
     # a quick check at toy size (one step, 2 tasks x 2 samples)
     python bench/bench_multistep.py --steps 1 --set rollout.tasks_per_step=2 --set rollout.samples_per_task=2
@@ -517,7 +517,8 @@ def main() -> None:
                     help="the fixed start: the embedded base model (default), an HF folder (a warm start) or a step "
                          "checkpoint folder (its optimizer state and RNG restored)")
     ap.add_argument("--phase", type=int, default=None, help="the curriculum phase (1-based; default the last)")
-    ap.add_argument("--preset", default="multistep", help=argparse.SUPPRESS)
+    ap.add_argument("--preset", default="multistep",
+                    help="the BabyAI preset whose phase is measured (default multistep; e.g. multistep-study)")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="config override, as the CLI's --set (repeatable)")
     ap.add_argument("--out", default=None,

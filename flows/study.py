@@ -276,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
         warm = warm_start(a)
         a.set = [s for s in a.set if not s.startswith("model.path=")] + [f"model.path={warm['dir']}"]
     cfg = preset_config(a.env, a.preset, a.set)
+    if cfg.rollout.task_filter == "fits_turns" and {"scalinginter", "scalinginter-fit"} <= set(arms):
+        ap.error("the config already draws tasks that fit each phase (rollout.task_filter=fits_turns), so the arms "
+                 "scalinginter and scalinginter-fit would be the same run: set rollout.task_filter=none (the "
+                 "multistep-study preset leaves it off) or drop scalinginter-fit")
     start_model = start_model_record(cfg.model.path, warm)
     a.eval_n = a.eval_n or cfg.eval.n
     phases = [p.model_dump() for p in cfg.curriculum.phases]

@@ -58,6 +58,27 @@ def test_multistep_rl_preset_is_the_measured_arm():
     assert b["curriculum"]["phases"] == [{**b["curriculum"]["phases"][0], "turn_limit": 10, "steps": 12}]
 
 
+
+def test_multistep_study_preset_is_the_recipe_on_the_curriculum():
+    """`--preset multistep-study` is multistep-rl's recipe on 3 -> 6 -> 10 turns, 12 steps a phase, without the
+    fits-turns filter (the study's scalinginter-fit arm adds it, so it must differ from scalinginter)."""
+    from core.study import arm_overrides, arm_phases
+    from flows.config import build_config
+
+    rl = build_config("babyai", "multistep-rl").model_dump()
+    st = build_config("babyai", "multistep-study").model_dump()
+    assert st["rollout"]["task_filter"] == "none" and rl["rollout"]["task_filter"] == "fits_turns"
+    assert [(p["turn_limit"], p["steps"]) for p in st["curriculum"]["phases"]] == [(3, 12), (6, 12), (10, 12)]
+    for key in ("preset", "curriculum"):
+        rl.pop(key), st.pop(key)
+    rl["rollout"].pop("task_filter"), st["rollout"].pop("task_filter")
+    assert rl == st  # the same recipe otherwise
+    phases = build_config("babyai", "multistep-study").model_dump()["curriculum"]["phases"]
+    assert [p["turn_limit"] for p in arm_phases(phases, "fixed-long")] == [10, 10, 10]
+    assert sum(p["steps"] for p in arm_phases(phases, "fixed-short")) == 36
+    fit = build_config("babyai", "multistep-study", arm_overrides("scalinginter-fit"))
+    assert fit.rollout.task_filter == "fits_turns"
+
 def test_multistep_sample_is_labelled_and_solved_within_its_label():
     """200 held-out tasks: every one gets a label, the expert solves >= 99 % of them through the env's text
     actions in exactly that many turns, and the labels spread over the turn-limit buckets."""

@@ -310,6 +310,17 @@ def test_fit_arm_is_the_scalinginter_curriculum_on_tasks_that_fit_each_phase():
     assert cfg.rollout.task_filter == "fits_turns" and cfg.algo.estimator == "grpo"
 
 
+def test_study_refuses_a_fit_arm_that_would_repeat_scalinginter(tmp_path, capsys):
+    """With the fits-turns filter already in the config, scalinginter and scalinginter-fit are one run: refused
+    before anything is scored, with the fix."""
+    from flows.study import main as study_main
+
+    with pytest.raises(SystemExit) as e:
+        study_main(["--env", "babyai", "--preset", "multistep-rl", "--arms", "scalinginter,scalinginter-fit",
+                    "--output-dir", str(tmp_path)])
+    assert e.value.code == 2 and "rollout.task_filter=none" in capsys.readouterr().err
+    assert not (tmp_path / "evals").exists()
+
 def test_rescore_agreement_by_hand():
     from core.study import rescore_agreement
 

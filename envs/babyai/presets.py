@@ -74,6 +74,21 @@ PRESETS: dict[str, dict[str, Any]] = {
         "algo": {"lr": 1e-5, "kl_coef": 0.05, "micro_batch_size": 4, "skip_no_signal": True, "expert_groups": True},
         "eval": {"n": 140, "turn_limit": 10},
     },
+    # The curriculum study on the multistep-rl recipe (scalinginter study --preset multistep-study --set
+    # model.path=DIR): its levers (lr 1e-5, KL 0.05 to the starting model, no update without signal, one
+    # dynamic-sampling round, the expert's episode in each all-fail group) on the 3 -> 6 -> 10 schedule, 12 steps a
+    # phase (36), tasks drawn from all levels: the study's `scalinginter-fit` arm adds the fits-turns filter, so the
+    # preset leaves it out. The fixed arms take the same 36 steps at 3 or at 10 turns.
+    "multistep-study": {
+        "env": {"options": {"levels": "GoToLocal,PickupLoc,OpenTwoDoors,UnlockLocal,PutNextS4N1,UnlockPickup,"
+                                      "KeyCorridorS3R1"}},
+        "curriculum": {"phases": [{"turn_limit": 3, "steps": 12}, {"turn_limit": 6, "steps": 12},
+                                  {"turn_limit": 10, "steps": 12}]},
+        "rollout": {"tasks_per_step": 4, "samples_per_task": 4, "max_new_tokens": 24, "token_budget": 3072,
+                    "temperature": 1.0, "dynamic_sampling_rounds": 1},
+        "algo": {"lr": 1e-5, "kl_coef": 0.05, "micro_batch_size": 4, "skip_no_signal": True, "expert_groups": True},
+        "eval": {"n": 140, "turn_limit": 10},
+    },
     # The smallest real run, for end-to-end tests: 1 step per phase, few short episodes.
     "tiny": {
         "env": {"options": {"levels": "GoToObj"}},
