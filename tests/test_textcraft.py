@@ -138,10 +138,12 @@ def test_env_rules(env):
 
 
 def test_expert_solves_every_goal_in_process(env):
+    """The expert crafts every goal, in exactly the turns the reset's ``required_turns`` label says."""
     turns = []
     for split, n in (("train", 319), ("test", 100)):
         for i in range(n):
             obs, info = env.reset(task_index(split, i))
+            label = info["required_turns"]
             for k in range(80):
                 a = next_action(info["goal"], info["inventory"])
                 assert a is not None, info["goal"]
@@ -151,6 +153,7 @@ def test_expert_solves_every_goal_in_process(env):
                 if r.done:
                     break
             assert r.info["success"] and r.reward == 1.0 and r.terminated, info["goal"]
+            assert label == k + 1 and r.info["required_turns"] == label, (info["goal"], label, k + 1)
             turns.append(k + 1)
     assert max(turns) <= 60 and sum(turns) / len(turns) < 10
     assert plan("minecraft:stick", {}) == ["get 2 bamboo", "craft 1 stick using 2 bamboo"]  # shallowest recipe

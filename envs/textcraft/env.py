@@ -57,6 +57,7 @@ class TextCraftEnv:
         self._task: dict[str, Any] | None = None
         self._actions: list[str] | None = None  # the show_actions menu of the current task
         self._meta: dict[str, Any] = {}
+        self._turns: dict[str, int | None] = {}  # required_turns per goal id (the expert's plan is deterministic)
         self._obs = ""
         self._done = False
         self._success = False
@@ -100,6 +101,9 @@ class TextCraftEnv:
                                f"{self.reset_timeout_s:g} s (is the task cache {self.tasks.path} readable?)")
         self._meta = {"data_idx": int(data_idx), "split": split_of(int(data_idx)), "goal": task["goal"],
                       "depth": task["depth"], "category": f"depth-{task['depth']}"}  # per-category eval scores
+        turns = self.required_turns(task["goal"])
+        if turns is not None:  # the expert's plan from an empty inventory: rollout.task_filter, eval buckets
+            self._meta["required_turns"] = turns
         return self._obs, self._info(None)
 
     def step(self, action: str) -> StepResult:
@@ -127,6 +131,18 @@ class TextCraftEnv:
 
     def close(self) -> None:
         self._task = None
+
+    def required_turns(self, goal: str) -> int | None:
+        """The turns the expert (``envs.textcraft.expert.plan``) takes to craft ``goal`` from an empty inventory, or
+        None when it has no plan; given at reset as ``info["required_turns"]``."""
+        from envs.textcraft.expert import plan
+
+        if goal not in self._turns:
+            try:
+                self._turns[goal] = len(plan(goal, {}, self.minecraft_dir))
+            except ValueError:
+                self._turns[goal] = None
+        return self._turns[goal]
 
     # --- helpers ------------------------------------------------------------------------------------
     def _menu(self, task: dict[str, Any]) -> list[str]:
