@@ -71,6 +71,10 @@ ARMS: dict[str, list[str]] = {
     # turns) teach the habits the runs lose tasks by (the door in view opened first, an invalid reply repeated)?
     "groups@10": ["algo.lr=1e-5", "algo.kl_coef=0.05", "algo.skip_no_signal=true", "algo.expert_groups=true"] + FIT
                  + DYN + ['curriculum.phases=[{"turn_limit":10,"steps":12}]'],
+    # the same for any env and preset: `groups` with all the preset's steps at its last phase's turn limit (on the
+    # BabyAI multistep preset, groups@10; on TextCraft easy, 12 steps at 4 turns)
+    "groups@last": ["algo.lr=1e-5", "algo.kl_coef=0.05", "algo.skip_no_signal=true", "algo.expert_groups=true"] + FIT
+                   + DYN,
     "+groups": RECIPE + ["algo.expert_groups=true"],  # all-fail groups get the expert's episode of the task
     "+shape": RECIPE + ["algo.shaping_coef=0.1"],  # progress reward from the expert's remaining turns
     "+g8": RECIPE + ["rollout.tasks_per_step=2", "rollout.samples_per_task=8"],
@@ -128,6 +132,18 @@ def preset(args):
     return build_config(args.env, args.preset)
 
 
+def arm_recipe(args, arm: str) -> list[str]:
+    """The arm's overrides as its runs get them: its levers, for an ``@last`` arm every step at the last phase's turn
+    limit, then the command's ``--set``."""
+    sets = list(ARMS[arm])
+    if arm.endswith("@last"):
+        phases = [{"turn_limit": p.turn_limit, "steps": args.phase_steps or p.steps}
+                  for p in preset(args).curriculum.phases]
+        sets.append("curriculum.phases=" + json.dumps([{"turn_limit": phases[-1]["turn_limit"],
+                                                        "steps": sum(p["steps"] for p in phases)}]))
+    return sets + list(args.set or [])
+
+
 def run_arm(args, out: Path, arm: str, seed: int) -> dict[str, Any]:
     name = f"{arm}-s{seed}"
     rd = out / name
@@ -136,10 +152,10 @@ def run_arm(args, out: Path, arm: str, seed: int) -> dict[str, Any]:
                          for p in preset(args).curriculum.phases])
     sets = BASE + [f"curriculum.phases={phases}", f"model.path={args.warm}", f"output_dir={out}", f"seed={seed}",
                    f"eval.n={args.eval_n}", f"eval.turn_limit={args.turn_limit}", "eval.before=false",
-                   "tracking.log_trajectories=0"] + ARMS[arm] + list(args.set or [])
+                   "tracking.log_trajectories=0"] + arm_recipe(args, arm)
     wall = None
     if not summary.exists():
-        print(f"training {name} ({', '.join(ARMS[arm]) or 'the preset as it is'})", flush=True)
+        print(f"training {name} ({', '.join(arm_recipe(args, arm)) or 'the preset as it is'})", flush=True)
         cmd = _cli() + ["run", args.env, "--preset", args.preset, "--run-name", name]
         for s in sets:
             cmd += ["--set", s]
@@ -292,6 +308,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "rl-vs-warmstart")
     ap.add_argument("--set", action="append", help="a config override for every arm (after the arm's own)")
     ap.add_argument("--keep-checkpoints", action="store_true")
+    ap.add_argument("--chosen", default="groups@10,groups@last,recipe",
+                    help="the arm whose recipe, turn limit and seeds the JSON repeats at its top level (the first of "
+                         "these that ran)")
     ap.add_argument("--report-only", action="store_true", help="report the runs that finished; train nothing")
     args = ap.parse_args(argv)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
@@ -322,10 +341,12 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{arm} seed {seed}: {sum(o['success'] for o in s['final'])}/{len(s['final'])} "
                   f"({s['wall_s']:.0f} s)", flush=True)
         if seeds:
-            doc["arms"][arm] = {"recipe": ARMS[arm] + list(args.set or []), "turn_limit": args.turn_limit,
+            doc["arms"][arm] = {"recipe": arm_recipe(args, arm), "turn_limit": args.turn_limit,
                                 "seeds": seeds, "report": arm_report(warm, seeds)}
-    if "recipe" in doc["arms"]:  # the chosen recipe's runs, at the top level as well
-        doc.update({k: doc["arms"]["recipe"][k] for k in ("recipe", "turn_limit", "seeds")})
+    chosen = next((a for a in args.chosen.split(",") if a in doc["arms"]), None)
+    if chosen:  # the chosen recipe's runs, at the top level as well
+        doc["chosen_arm"] = chosen
+        doc.update({k: doc["arms"][chosen][k] for k in ("recipe", "turn_limit", "seeds")})
     args.results.mkdir(parents=True, exist_ok=True)
     stem = args.results / f"rl-vs-warmstart-{args.env}-{args.preset}-{time.strftime('%Y%m%d')}"
     stem.with_suffix(".json").write_text(json.dumps(doc, indent=1))

@@ -48,3 +48,19 @@ def test_outcomes_read_the_evaluation_document():
         {"task_id": 8, "successes": [False]}]}}}}}
     assert m.outcomes(doc, 10) == [{"task": 7, "required_turns": 3, "success": 1},
                                    {"task": 8, "required_turns": None, "success": 0}]
+
+
+def test_last_limit_arm_puts_every_step_at_the_presets_last_turn_limit():
+    """`groups@last` is `groups@10` on the multistep preset (12 steps at 10 turns) and 12 steps at 4 turns on
+    TextCraft easy; the command's own --set comes after the arm's."""
+    import argparse
+    import json
+
+    m = _mod()
+    a = argparse.Namespace(env="babyai", preset="multistep", phase_steps=4, set=["algo.lr=2e-5"])
+    r = m.arm_recipe(a, "groups@last")
+    assert r[-1] == "algo.lr=2e-5" and json.loads(r[-2].split("=", 1)[1]) == [{"turn_limit": 10, "steps": 12}]
+    g10 = m.arm_recipe(a, "groups@10")
+    assert g10[:-2] == r[:-2] and json.loads(g10[-2].split("=", 1)[1]) == json.loads(r[-2].split("=", 1)[1])
+    t = m.arm_recipe(argparse.Namespace(env="textcraft", preset="easy", phase_steps=4, set=None), "groups@last")
+    assert t[-1] == 'curriculum.phases=[{"turn_limit": 4, "steps": 12}]' and t[:-1] == m.ARMS["groups@last"]
