@@ -444,6 +444,9 @@ class EvalConfig(_Strict):
     each_phase: bool = Field(False, description="Also score every phase's final checkpoint on the same held-out "
                                                 "tasks (eval_phase-<k>.json; MLflow heldout/success_rate at the "
                                                 "phase's last global step): a held-out learning curve.")
+    each_phase_last: bool = Field(True, description="With each_phase: score the last phase's final in the run too "
+                                                    "(false when the caller scores the final checkpoint itself, as "
+                                                    "scalinginter study does; eval.after also covers it).")
 
 
 class TrackingConfig(_Strict):

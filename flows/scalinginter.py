@@ -285,7 +285,8 @@ def _run_body(cfg: RunConfig, rt: Runtime, owns: bool, rd: Path) -> dict[str, An
         ref = cfg.model.path
         for k in range(len(phases)):
             ref = phase_flow(cfg, k + 1, ref, parent)
-            if cfg.eval.each_phase and not (cfg.eval.after and k + 1 == len(phases)):
+            last = k + 1 == len(phases)
+            if cfg.eval.each_phase and not (last and (cfg.eval.after or not cfg.eval.each_phase_last)):
                 _phase_eval(cfg, tracker, parent, k + 1, ref)
         after = None
         if cfg.eval.after:

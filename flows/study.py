@@ -149,7 +149,8 @@ def train_arm(a: argparse.Namespace, arm: str, seed: int, phases: list[dict], bu
                         "--set", f"output_dir={Path(a.output_dir).resolve()}",
                         "--set", f"tracking.experiment={a.experiment}",
                         "--set", "eval.before=false", "--set", "eval.after=false",
-                        "--set", "eval.each_phase=true", "--set", f"eval.n={a.eval_n}",
+                        "--set", "eval.each_phase=true", "--set", "eval.each_phase_last=false",
+                        "--set", f"eval.n={a.eval_n}",
                         "--set", f"eval.turn_limit={budget}"]
         for s in a.set:
             cmd += ["--set", s]

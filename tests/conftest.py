@@ -23,3 +23,21 @@ def toy_policy(tmp_path_factory):
     from tests.toypolicy import make_toy_policy
 
     return make_toy_policy(tmp_path_factory.mktemp("toy-policy"))
+
+
+@pytest.fixture(scope="session")
+def tiny_babyai_run(tmp_path_factory):
+    """One real ``scalinginter run babyai --preset tiny`` (run name ``e2e``), shared: tests/test_e2e.py inspects and
+    re-runs it (and drops its checkpoints when its module ends), tests/test_viewer.py serves a copy of it. Returns the
+    output dir and the run's printed log."""
+    import subprocess
+
+    out = tmp_path_factory.mktemp("e2e")
+    exe = Path(sys.executable).with_name("scalinginter")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "flows.cli"]
+    # a loaded machine can take longer than Prefect's default 20 s to start the ephemeral API
+    env = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180", **os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run(cmd + ["run", "babyai", "--preset", "tiny", "--set", f"output_dir={out}", "--run-name", "e2e"],
+                       cwd=out, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return out, p.stdout + p.stderr

@@ -25,12 +25,12 @@ def cli(*args, cwd, timeout=900):
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("e2e")
-    p = cli("run", "babyai", "--preset", "tiny", "--set", f"output_dir={out}", "--run-name", RUN, cwd=out)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    yield out, p.stdout + p.stderr
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # two SmolLM2 phase finals, ~1.5 GB each
+def run_dir(tiny_babyai_run):
+    """The session's tiny run (conftest.py; its run name is ``e2e``); its checkpoints are dropped when this module
+    ends (two SmolLM2 phase finals, ~1.5 GB each; the viewer's tests need none)."""
+    out, log = tiny_babyai_run
+    yield out, log
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
 
 
 def test_progress_and_summary_printed(run_dir):

@@ -268,6 +268,7 @@ def test_train_arm_command_gives_the_arm_its_curriculum_and_overrides(tmp_path, 
     assert [p.model_dump() for p in cfg.curriculum.phases] == arm_phases(phases, arm)
     assert cfg.algo.estimator == ("gigpo" if arm == "scalinginter-gigpo" else "grpo")
     assert cfg.seed == 0 and cfg.eval.turn_limit == 3 and cfg.eval.n == 4 and cfg.eval.each_phase
+    assert not cfg.eval.each_phase_last  # the study scores the final checkpoint itself
     assert cmd[cmd.index("--run-name") + 1] == f"study-babyai-{arm}-s0"
     assert cfg.rollout.task_filter == ("fits_turns" if arm == "scalinginter-fit" else "none")
 
@@ -292,6 +293,7 @@ def test_learning_study_toy(tmp_path):
         assert [p["turn_limit"] for p in cfg["curriculum"]["phases"]] == r["turn_limits"]  # trained as planned
         assert cfg["tracking"]["experiment"] == "learning-study-babyai"
         assert (out / run / "eval_phase-1.json").exists()  # the held-out point after phase 1
+        assert not (out / run / "eval_phase-2.json").exists()  # the last phase's final: the study's own final eval
         assert sorted(int(s) for s in r["curve"]) == [0, 1, 2]  # base, phase 1, final
         assert r["steps"] == 2 and r["generated_tokens"] > 0
         lo, hi = r["ci95"]
@@ -364,6 +366,8 @@ def test_learning_study_multistep_toy(tmp_path, toy_policy):
         assert set(r["bucket_curves"]) == set(r["buckets"]["2"])
         for curve in r["bucket_curves"].values():
             assert sorted(int(s) for s in curve) == [0, 1, 2]  # base, phase-1 final, final
+        for run in r["runs"]:  # the last phase's final is scored once, by the study's own evaluation
+            assert not (out / run / "eval_phase-2.json").exists() and (out / run / "eval_phase-1.json").exists()
         assert list(r["diagnostics"]) == ["phase-1", "phase-2"]
         assert "diag/turn_limit_frac" in r["diagnostics"]["phase-1"] and "success_rate" in r["diagnostics"]["phase-2"]
         assert sorted(int(s) for s in r["diag_curves"]["diag/turn_limit_frac"]) == [1, 2]

@@ -269,6 +269,9 @@ def test_eval_pages(client, runs):
 
 
 # --- done when: a trained run in a real browser -----------------------------------------------------------------
+RUN = "e2e"  # the session's tiny run (conftest.py: tiny_babyai_run)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -286,13 +289,13 @@ def _cli(*args: str, cwd: Path, timeout: int = 900, popen: bool = False):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tiny_babyai_run, tmp_path_factory):
+    """A copy (without checkpoints) of the session's tiny run (conftest.py, run name ``e2e``): this module deletes a
+    rollout file of it at the end."""
+    src, log = tiny_babyai_run
     out = tmp_path_factory.mktemp("viewer-run")
-    p = _cli("run", "babyai", "--preset", "tiny", "--set", f"output_dir={out}", "--run-name", "viewed",
-             "--set", "eval.before=false", cwd=out)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # ~1.5 GB per phase; the viewer does not need them
-    yield out, p.stdout + p.stderr
+    shutil.copytree(src / RUN, out / RUN)
+    yield out, log
 
 
 @pytest.fixture(scope="module")
@@ -323,7 +326,7 @@ def viewer(trained):
 
 def test_summary_and_artifact_print_the_viewer_url(trained):
     _, log = trained
-    assert V.viewer_url("viewed") in log
+    assert V.viewer_url(RUN) in log
 
 
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed (infra/install.sh)")
@@ -331,7 +334,7 @@ def test_browser_run_step_episode_tokens(trained, viewer, tmp_path):
     from playwright.sync_api import sync_playwright
 
     out, _ = trained
-    stored = pq.read_table(out / "viewed" / "rollouts" / "step-000002.parquet").to_pylist()
+    stored = pq.read_table(out / RUN / "rollouts" / "step-000002.parquet").to_pylist()
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
             "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
@@ -339,19 +342,19 @@ def test_browser_run_step_episode_tokens(trained, viewer, tmp_path):
             page = browser.new_page(viewport={"width": 1280, "height": 900})
             page.set_default_timeout(120_000)
             page.goto(viewer + "/")
-            page.click("a.run-link:text-is('viewed')")
-            page.wait_for_url("**/runs/viewed")
+            page.click(f"a.run-link:text-is('{RUN}')")
+            page.wait_for_url(f"**/runs/{RUN}")
             # train success, reward, turns; then the stability diagnostics: policy entropy and the 6 of
             # core.metrics.DIAGNOSTICS (the run's metrics.jsonl has them all)
             assert page.locator("svg.chart").count() == 3 + 1 + len(DIAGNOSTICS)
             assert page.locator("h2", has_text="Stability diagnostics").count() == 1
-            page.click("a.step-link[href='/runs/viewed/steps/2']")
-            page.wait_for_url("**/runs/viewed/steps/2")
+            page.click(f"a.step-link[href='/runs/{RUN}/steps/2']")
+            page.wait_for_url(f"**/runs/{RUN}/steps/2")
             assert page.locator("a.episode-link").count() == len(stored)
             # the episode with the most turns (phase 2 allows 2)
             i = max(range(len(stored)), key=lambda k: (stored[k]["turns"], -k))
             page.click(f"tr[data-index='{i}'] a.episode-link")
-            page.wait_for_url(f"**/runs/viewed/steps/2/episodes/{i}")
+            page.wait_for_url(f"**/runs/{RUN}/steps/2/episodes/{i}")
             ep = stored[i]
             turns = page.locator(".turn[data-turn]")
             assert turns.count() == ep["turns"] == len(ep["replies"]) >= 1
@@ -380,9 +383,9 @@ def test_browser_run_step_episode_tokens(trained, viewer, tmp_path):
 
             resp = page.goto(viewer + "/runs/no-such-run")
             assert resp.status == 404 and "No run named 'no-such-run'" in page.content()
-            assert page.locator("a[href='/runs/viewed']").count() == 1
-            (out / "viewed" / "rollouts" / "step-000001.parquet").unlink()  # the last check of this module
-            resp = page.goto(viewer + "/runs/viewed/steps/1")
+            assert page.locator(f"a[href='/runs/{RUN}']").count() == 1
+            (out / RUN / "rollouts" / "step-000001.parquet").unlink()  # the last check of this module
+            resp = page.goto(viewer + f"/runs/{RUN}/steps/1")
             assert resp.status == 404 and "the rollout file is missing" in page.content()
             assert "Traceback" not in page.content()
         finally:
