@@ -203,9 +203,11 @@ def arm_report(warm: list[dict[str, Any]], seeds: list[dict[str, Any]]) -> dict[
         "per_seed_gain": [statistics.fmean(d) for d in diffs],
         "per_seed_mcnemar_p": [paired_mcnemar(f, w) for f in finals], "buckets": {}}
     for k, idx in bucket_indices(labels).items():
+        gain, glo, ghi = seed_task_bootstrap([[row[i] for i in idx] for row in diffs])
         rep["buckets"][k] = {"tasks": len(idx), "warm_start": statistics.fmean(w[i] for i in idx),
                              "final": statistics.fmean(row[i] for row in finals for i in idx),
-                             "per_seed": [statistics.fmean(row[i] for i in idx) for row in finals]}
+                             "per_seed": [statistics.fmean(row[i] for i in idx) for row in finals],
+                             "gain": gain, "gain_ci_seed_task": [glo, ghi]}
     return rep
 
 
@@ -228,6 +230,14 @@ def table(doc: dict[str, Any]) -> str:
             + ", ".join(f"{g:+.3f}" for g in r["per_seed_gain"]) + " | "
             + ", ".join(f"{p:.2g}" for p in r["per_seed_mcnemar_p"]) + " | "
             + " / ".join(f"{r['buckets'][k]['final']:.2f}" for k in BUCKETS if k in r["buckets"]) + " |")
+    keys = [k for k in BUCKETS if any(k in a["report"]["buckets"] for a in doc["arms"].values())]
+    lines += ["", "Gain over the warm start by required turns (95 % CI, bootstrap over seeds and tasks):", "",
+              "| arm | " + " | ".join(f"needs {k}" for k in keys) + " |", "|---|" + "---|" * len(keys)]
+    for arm, a in doc["arms"].items():
+        b = a["report"]["buckets"]
+        lines.append(f"| {arm} | " + " | ".join(
+            f"{b[k]['gain']:+.3f} [{b[k]['gain_ci_seed_task'][0]:+.3f}, {b[k]['gain_ci_seed_task'][1]:+.3f}]"
+            if k in b and "gain" in b[k] else "-" for k in keys) + " |")
     lines += ["", f"Settings per arm (on top of the `{doc['preset']}` preset and 4 tasks x 4 samples per step):", ""]
     for arm, a in doc["arms"].items():
         lines.append(f"- `{arm}`: {' '.join(a['recipe']) or '(the preset: lr 3e-5, no KL)'}")

@@ -33,7 +33,10 @@ def test_arm_report_by_hand():
     assert r["per_seed_gain"] == pytest.approx([1 / 6, 2 / 6]) and r["gain"] == pytest.approx(0.25)
     lo, hi = r["gain_ci_seed_task"]
     assert lo <= 0.25 <= hi and r["gain_ci_task_only"][0] <= 0.25 <= r["gain_ci_task_only"][1]
-    assert r["buckets"]["1"] == {"tasks": 2, "warm_start": 1.0, "final": 0.75, "per_seed": [1.0, 0.5]}
+    b1 = dict(r["buckets"]["1"])
+    lo1, hi1 = b1.pop("gain_ci_seed_task")
+    assert b1 == {"tasks": 2, "warm_start": 1.0, "final": 0.75, "per_seed": [1.0, 0.5], "gain": -0.25}
+    assert lo1 <= -0.25 <= hi1 <= 0  # seed 1 lost one of the two tasks, seed 0 none
     assert r["buckets"]["7+"]["final"] == 0.5 and r["buckets"]["7+"]["warm_start"] == 0.0
     assert r["per_seed_mcnemar_p"][0] == 1.0  # one discordant task: p = 1
     seeds[1]["final"][0]["task"] = 999
