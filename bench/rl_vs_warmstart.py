@@ -211,12 +211,17 @@ def arm_report(warm: list[dict[str, Any]], seeds: list[dict[str, Any]]) -> dict[
     return rep
 
 
+def _bucket_keys(doc: dict[str, Any]) -> list[str]:
+    """The required-turns buckets the held-out tasks fall in (BabyAI multistep: all four; TextCraft easy: two)."""
+    return [k for k in BUCKETS if any(k in a["report"]["buckets"] for a in doc["arms"].values())]
+
+
 def table(doc: dict[str, Any]) -> str:
     lines = [f"# RL from the warm start, {doc['env']} `{doc['preset']}` ({doc['turn_limit']} turns, {doc['eval_n']} "
              f"held-out tasks, greedy)", "", f"Machine: {doc['machine']}. Warm start: {doc['warm']}. Each arm: "
              f"{doc['phase_steps'] or 'the preset’s'} steps per phase, the preset's turn limits.", "",
              "| arm | seeds | final (pooled) | gain over warm start [95 % CI, seeds x tasks] | [per-task CI] | "
-             "per-seed gain | McNemar p | needs 1 / 2-3 / 4-6 / 7+ |", "|---|---|---|---|---|---|---|---|"]
+             "per-seed gain | McNemar p | needs " + " / ".join(_bucket_keys(doc)) + " |", "|---|---|---|---|---|---|---|---|"]
     w = next(iter(doc["arms"].values()))["report"]["warm_start"] if doc["arms"] else None
     if w is not None:
         wb = next(iter(doc["arms"].values()))["report"]["buckets"]
@@ -230,7 +235,7 @@ def table(doc: dict[str, Any]) -> str:
             + ", ".join(f"{g:+.3f}" for g in r["per_seed_gain"]) + " | "
             + ", ".join(f"{p:.2g}" for p in r["per_seed_mcnemar_p"]) + " | "
             + " / ".join(f"{r['buckets'][k]['final']:.2f}" for k in BUCKETS if k in r["buckets"]) + " |")
-    keys = [k for k in BUCKETS if any(k in a["report"]["buckets"] for a in doc["arms"].values())]
+    keys = _bucket_keys(doc)
     lines += ["", "Gain over the warm start by required turns (95 % CI, bootstrap over seeds and tasks):", "",
               "| arm | " + " | ".join(f"needs {k}" for k in keys) + " |", "|---|" + "---|" * len(keys)]
     for arm, a in doc["arms"].items():

@@ -67,3 +67,19 @@ def test_last_limit_arm_puts_every_step_at_the_presets_last_turn_limit():
     assert g10[:-2] == r[:-2] and json.loads(g10[-2].split("=", 1)[1]) == json.loads(r[-2].split("=", 1)[1])
     t = m.arm_recipe(argparse.Namespace(env="textcraft", preset="easy", phase_steps=4, set=None), "groups@last")
     assert t[-1] == 'curriculum.phases=[{"turn_limit": 4, "steps": 12}]' and t[:-1] == m.ARMS["groups@last"]
+
+
+def test_table_names_only_the_buckets_the_tasks_fall_in():
+    """TextCraft easy's tasks need 2-4 turns: the table's bucket columns are 2-3 and 4-6, not four headers over two
+    numbers."""
+    m = _mod()
+    labels = [2, 2, 3, 4]
+    warm = _outs([1, 0, 1, 0], labels)
+    seeds = [{"seed": 0, "final": _outs([1, 1, 1, 0], labels), "diagnostics": {"1": {"success_rate": 0.5}}}]
+    doc = {"env": "textcraft", "preset": "easy", "turn_limit": 4, "eval_n": 4, "machine": "m", "warm": "w",
+           "phase_steps": 4, "arms": {"groups@last": {"recipe": ["algo.lr=1e-5"], "seeds": seeds,
+                                                      "report": m.arm_report(warm, seeds)}}}
+    text = m.table(doc)
+    assert "| needs 2-3 / 4-6 |" in text and "needs 1 /" not in text
+    assert "| warm start | - | 0.500 | - | - | - | - | 0.67 / 0.00 |" in text
+    assert "| arm | needs 2-3 | needs 4-6 |" in text
