@@ -28,8 +28,8 @@ def toy_policy(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_babyai_run(tmp_path_factory):
     """One real ``scalinginter run babyai --preset tiny`` (run name ``e2e``), shared: tests/test_e2e.py inspects and
-    re-runs it (and drops its checkpoints when its module ends), tests/test_viewer.py serves a copy of it. Returns the
-    output dir and the run's printed log."""
+    re-runs it (and drops its checkpoints when its module ends), tests/test_viewer.py serves a copy of it. Yields the
+    output dir and the run's printed log; its checkpoints are removed when the session ends."""
     import subprocess
 
     out = tmp_path_factory.mktemp("e2e")
@@ -40,4 +40,7 @@ def tiny_babyai_run(tmp_path_factory):
     p = subprocess.run(cmd + ["run", "babyai", "--preset", "tiny", "--set", f"output_dir={out}", "--run-name", "e2e"],
                        cwd=out, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return out, p.stdout + p.stderr
+    yield out, p.stdout + p.stderr
+    import shutil
+
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # pytest keeps the last sessions' temp dirs
