@@ -52,6 +52,9 @@ EXPERT = ["algo.expert_coef=1.0", "algo.expert_decay=linear"]
 FIT = ["rollout.task_filter=fits_turns"]
 DYN = ["rollout.dynamic_sampling_rounds=1"]
 RECIPE = STOP_DRIFT + EXPERT + FIT + DYN
+# the `groups` arms' levers: half the step size, the KL anchor, no update without signal, the expert's episode in
+# all-fail groups
+GROUPS = ["algo.lr=1e-5", "algo.kl_coef=0.05", "algo.skip_no_signal=true", "algo.expert_groups=true"]
 ARMS: dict[str, list[str]] = {
     "preset": [],  # the study's recipe: lr 3e-5, no KL (the runs that ended below the warm start)
     "stop-drift": STOP_DRIFT,  # lr 2e-5, a k3 KL to the warm start, no update without signal
@@ -63,18 +66,15 @@ ARMS: dict[str, list[str]] = {
     "dagger": STOP_DRIFT + ["algo.expert_coef=3.0", "algo.expert_turns=3"] + FIT + DYN,
     # the expert's whole episode in every group whose samples all failed (what the warm start learned from), no
     # relabels, half the step size
-    "groups": ["algo.lr=1e-5", "algo.kl_coef=0.05", "algo.skip_no_signal=true", "algo.expert_groups=true"] + FIT + DYN,
+    "groups": GROUPS + FIT + DYN,
     # the best arm so far, with each invalid reply charged 0.1: the runs lost tasks by repeating an invalid action
-    "groups+invalid": ["algo.lr=1e-5", "algo.kl_coef=0.05", "algo.skip_no_signal=true", "algo.expert_groups=true",
-                       "algo.invalid_action_penalty=0.1"] + FIT + DYN,
+    "groups+invalid": GROUPS + ["algo.invalid_action_penalty=0.1"] + FIT + DYN,
     # the best arm at one fixed horizon, the evaluation's 10 turns, for all 12 steps: do the short phases (3, 6
     # turns) teach the habits the runs lose tasks by (the door in view opened first, an invalid reply repeated)?
-    "groups@10": ["algo.lr=1e-5", "algo.kl_coef=0.05", "algo.skip_no_signal=true", "algo.expert_groups=true"] + FIT
-                 + DYN + ['curriculum.phases=[{"turn_limit":10,"steps":12}]'],
+    "groups@10": GROUPS + FIT + DYN + ['curriculum.phases=[{"turn_limit":10,"steps":12}]'],
     # the same for any env and preset: `groups` with all the preset's steps at its last phase's turn limit (on the
     # BabyAI multistep preset, groups@10; on TextCraft easy, 12 steps at 4 turns)
-    "groups@last": ["algo.lr=1e-5", "algo.kl_coef=0.05", "algo.skip_no_signal=true", "algo.expert_groups=true"] + FIT
-                   + DYN,
+    "groups@last": GROUPS + FIT + DYN,
     "+groups": RECIPE + ["algo.expert_groups=true"],  # all-fail groups get the expert's episode of the task
     "+shape": RECIPE + ["algo.shaping_coef=0.1"],  # progress reward from the expert's remaining turns
     "+g8": RECIPE + ["rollout.tasks_per_step=2", "rollout.samples_per_task=8"],
@@ -150,12 +150,13 @@ def run_arm(args, out: Path, arm: str, seed: int) -> dict[str, Any]:
     summary = rd / "summary.json"
     phases = json.dumps([{"turn_limit": p.turn_limit, "steps": args.phase_steps or p.steps}
                          for p in preset(args).curriculum.phases])
+    recipe = arm_recipe(args, arm)
     sets = BASE + [f"curriculum.phases={phases}", f"model.path={args.warm}", f"output_dir={out}", f"seed={seed}",
                    f"eval.n={args.eval_n}", f"eval.turn_limit={args.turn_limit}", "eval.before=false",
-                   "tracking.log_trajectories=0"] + arm_recipe(args, arm)
+                   "tracking.log_trajectories=0"] + recipe
     wall = None
     if not summary.exists():
-        print(f"training {name} ({', '.join(arm_recipe(args, arm)) or 'the preset as it is'})", flush=True)
+        print(f"training {name} ({', '.join(recipe) or 'the preset as it is'})", flush=True)
         cmd = _cli() + ["run", args.env, "--preset", args.preset, "--run-name", name]
         for s in sets:
             cmd += ["--set", s]
@@ -217,11 +218,12 @@ def _bucket_keys(doc: dict[str, Any]) -> list[str]:
 
 
 def table(doc: dict[str, Any]) -> str:
+    keys = _bucket_keys(doc)
     lines = [f"# RL from the warm start, {doc['env']} `{doc['preset']}` ({doc['turn_limit']} turns, {doc['eval_n']} "
              f"held-out tasks, greedy)", "", f"Machine: {doc['machine']}. Warm start: {doc['warm']}. Each arm: "
              f"{doc['phase_steps'] or 'the preset’s'} steps per phase, the preset's turn limits.", "",
              "| arm | seeds | final (pooled) | gain over warm start [95 % CI, seeds x tasks] | [per-task CI] | "
-             "per-seed gain | McNemar p | needs " + " / ".join(_bucket_keys(doc)) + " |", "|---|---|---|---|---|---|---|---|"]
+             "per-seed gain | McNemar p | needs " + " / ".join(keys) + " |", "|---|---|---|---|---|---|---|---|"]
     w = next(iter(doc["arms"].values()))["report"]["warm_start"] if doc["arms"] else None
     if w is not None:
         wb = next(iter(doc["arms"].values()))["report"]["buckets"]
@@ -235,7 +237,6 @@ def table(doc: dict[str, Any]) -> str:
             + ", ".join(f"{g:+.3f}" for g in r["per_seed_gain"]) + " | "
             + ", ".join(f"{p:.2g}" for p in r["per_seed_mcnemar_p"]) + " | "
             + " / ".join(f"{r['buckets'][k]['final']:.2f}" for k in BUCKETS if k in r["buckets"]) + " |")
-    keys = _bucket_keys(doc)
     lines += ["", "Gain over the warm start by required turns (95 % CI, bootstrap over seeds and tasks):", "",
               "| arm | " + " | ".join(f"needs {k}" for k in keys) + " |", "|---|" + "---|" * len(keys)]
     for arm, a in doc["arms"].items():

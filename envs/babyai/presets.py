@@ -2,6 +2,13 @@
 
 from typing import Any
 
+# the multi-step levels (the `multistep` preset's comment says why these): multistep, multistep-rl, multistep-study
+MULTISTEP_LEVELS = "GoToLocal,PickupLoc,OpenTwoDoors,UnlockLocal,PutNextS4N1,UnlockPickup,KeyCorridorS3R1"
+# the RL-from-a-warm-start recipe of multistep-rl and multistep-study (without its task filter: each preset says)
+_RL_ROLLOUT = {"tasks_per_step": 4, "samples_per_task": 4, "max_new_tokens": 24, "token_budget": 3072,
+               "temperature": 1.0, "dynamic_sampling_rounds": 1}
+_RL_ALGO = {"lr": 1e-5, "kl_coef": 0.05, "micro_batch_size": 4, "skip_no_signal": True, "expert_groups": True}
+
 PRESETS: dict[str, dict[str, Any]] = {
     # The CPU demo: three phases with growing turn limits, 4 steps each, on three go-to levels. Its levers: lr 3e-5
     # and no KL reference (a 135M policy must move far from its chatty prior; no reference forward), temperature 1.0
@@ -51,8 +58,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # (instruction, observations, 24-token replies, chat framing) is 1,399 SmolLM2 tokens median, 2,655 at most
     # (140 tasks), within the 3,072-token budget. Eval: 140 held-out tasks (20 per level).
     "multistep": {
-        "env": {"options": {"levels": "GoToLocal,PickupLoc,OpenTwoDoors,UnlockLocal,PutNextS4N1,UnlockPickup,"
-                                      "KeyCorridorS3R1"}},
+        "env": {"options": {"levels": MULTISTEP_LEVELS}},
         "curriculum": {"phases": [{"turn_limit": 3, "steps": 10}, {"turn_limit": 6, "steps": 10},
                                   {"turn_limit": 10, "steps": 10}]},
         "rollout": {"tasks_per_step": 8, "samples_per_task": 4, "max_new_tokens": 24, "token_budget": 3072,
@@ -66,12 +72,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # whose expert fits the turn limit, one dynamic-sampling round, and the expert's episode in each group whose
     # samples all failed. What it measured: docs/results/rl-vs-warmstart.md.
     "multistep-rl": {
-        "env": {"options": {"levels": "GoToLocal,PickupLoc,OpenTwoDoors,UnlockLocal,PutNextS4N1,UnlockPickup,"
-                                      "KeyCorridorS3R1"}},
+        "env": {"options": {"levels": MULTISTEP_LEVELS}},
         "curriculum": {"phases": [{"turn_limit": 10, "steps": 12}]},
-        "rollout": {"tasks_per_step": 4, "samples_per_task": 4, "max_new_tokens": 24, "token_budget": 3072,
-                    "temperature": 1.0, "task_filter": "fits_turns", "dynamic_sampling_rounds": 1},
-        "algo": {"lr": 1e-5, "kl_coef": 0.05, "micro_batch_size": 4, "skip_no_signal": True, "expert_groups": True},
+        "rollout": {**_RL_ROLLOUT, "task_filter": "fits_turns"},
+        "algo": _RL_ALGO,
         "eval": {"n": 140, "turn_limit": 10},
     },
     # The curriculum study on the multistep-rl recipe (scalinginter study --preset multistep-study --set
@@ -80,13 +84,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     # phase (36), tasks drawn from all levels: the study's `scalinginter-fit` arm adds the fits-turns filter, so the
     # preset leaves it out. The fixed arms take the same 36 steps at 3 or at 10 turns.
     "multistep-study": {
-        "env": {"options": {"levels": "GoToLocal,PickupLoc,OpenTwoDoors,UnlockLocal,PutNextS4N1,UnlockPickup,"
-                                      "KeyCorridorS3R1"}},
+        "env": {"options": {"levels": MULTISTEP_LEVELS}},
         "curriculum": {"phases": [{"turn_limit": 3, "steps": 12}, {"turn_limit": 6, "steps": 12},
                                   {"turn_limit": 10, "steps": 12}]},
-        "rollout": {"tasks_per_step": 4, "samples_per_task": 4, "max_new_tokens": 24, "token_budget": 3072,
-                    "temperature": 1.0, "dynamic_sampling_rounds": 1},
-        "algo": {"lr": 1e-5, "kl_coef": 0.05, "micro_batch_size": 4, "skip_no_signal": True, "expert_groups": True},
+        "rollout": _RL_ROLLOUT,
+        "algo": _RL_ALGO,
         "eval": {"n": 140, "turn_limit": 10},
     },
     # The smallest real run, for end-to-end tests: 1 step per phase, few short episodes.
