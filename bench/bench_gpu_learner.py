@@ -2,7 +2,7 @@
 
     python bench/bench_gpu_learner.py --tokenizer DIR [--shapes smollm2-135m,qwen2.5-0.5b,qwen2.5-1.5b]
                                       [--workload study|paper] [--steps 2] [--out FILE.json]
-                                      [--optimizer adamw|adamw8bit] [--activation-checkpointing N]
+                                      [--optimizer adamw|adamw8bit] [--activation-checkpointing N] [--share-prefix on|off]
 
 What a GPU step of the learner costs, measured rather than estimated: for each shape, a model with that
 architecture and random weights (built from its config here: no download; the FLOPs and bytes of a step do
@@ -102,7 +102,8 @@ def trajectories(vocab: int, groups: int, samples: int, prompt: int, turns: int,
 
 
 def run_shape(path: Path, shape: str, work: dict, steps: int, micro_batch_tokens: int, optimizer: str = "adamw",
-              activation_checkpointing: int = 0, length_buckets: int | None = None, lora_rank: int = 0) -> dict:
+              activation_checkpointing: int = 0, length_buckets: int | None = None, lora_rank: int = 0,
+              share_prefix: bool | None = None) -> dict:
     import torch
 
     from runtime.backends.learner import LearnerConfig, TorchLearner
@@ -116,7 +117,8 @@ def run_shape(path: Path, shape: str, work: dict, steps: int, micro_batch_tokens
                                                     micro_batch_tokens=micro_batch_tokens, bf16_autocast=True,
                                                     device="cuda", optimizer=optimizer,
                                                     activation_checkpointing=activation_checkpointing,
-                                                    length_buckets=length_buckets, lora=lora))
+                                                    length_buckets=length_buckets, lora=lora,
+                                                    share_prefix=share_prefix))
     load_s = time.perf_counter() - t_load
     params = sum(p.numel() for n, p in learner.model.named_parameters() if ".lora_" not in n)  # the base
     trainable = sum(p.numel() for p in learner.model.parameters() if p.requires_grad)
@@ -147,7 +149,8 @@ def run_shape(path: Path, shape: str, work: dict, steps: int, micro_batch_tokens
            "peak_gpu_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
            "micro_batch_tokens": micro_batch_tokens, "optimizer": optimizer,
            "activation_checkpointing": activation_checkpointing, "optimizer_state_gib": round(opt_bytes / 2**30, 2),
-           "length_buckets": learner.cfg.length_buckets, "lora_rank": lora_rank,
+           "length_buckets": learner.cfg.length_buckets, "share_prefix": learner.cfg.share_prefix,
+           "lora_rank": lora_rank,
            "trainable_params_m": round(trainable / 1e6, 2), "load_s": round(load_s, 1)}
     del learner
     torch.cuda.empty_cache()
@@ -172,6 +175,8 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=0, metavar="R",
                     help="train rank-R LoRA adapters (alpha 2R, all linear layers) on the frozen base, as "
                          "model.lora.rank=R does (0: full weights)")
+    ap.add_argument("--share-prefix", choices=["on", "off"], default=None,
+                    help="the shared-prompt forward (algo.share_prefix; default: the product's, off on a GPU)")
     ap.add_argument("--tmp", default=None, help="where the random models are written (default: the system's; "
                                                "/dev/shm keeps a 7B model's 15 GB off the disk)")
     a = ap.parse_args()
@@ -199,7 +204,8 @@ def main() -> None:
         for shape in shapes:
             path = build_model(shape, Path(a.tokenizer), Path(tmp))
             rows.append(run_shape(path, shape, WORKLOADS[a.workload], a.steps, a.micro_batch_tokens, a.optimizer,
-                                  a.activation_checkpointing, buckets, a.lora_rank))
+                                  a.activation_checkpointing, buckets, a.lora_rank,
+                                  None if a.share_prefix is None else a.share_prefix == "on"))
             r = rows[-1]
             print(f"{shape:>13} ({r['params_m']}M): {r['sequences']} seqs, {r['tokens_per_step']} tokens/step, "
                   f"prepare {r['prepare_s']:.2f} s + update {r['update_s']:.2f} s -> "

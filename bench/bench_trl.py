@@ -2,7 +2,7 @@
 
     pip install -e '.[bench]'        # trl==1.16.0 (optional; not installed by infra/install.sh)
     python bench/bench_trl.py [--steps 3] [--only ours,ours-in-process,trl] [--engine vllm|transformers]
-                              [--optimizer adamw|adamw8bit] [--grad-dtype fp32|bf16]
+                              [--optimizer adamw|adamw8bit] [--grad-dtype fp32|bf16] [--model DIR]
 
 Workload (both sides): SmolLM2-135M-Instruct; per step 8 prompts x 4 generations (temperature 1.0,
 <= 64 new tokens), prompts are BabyAI first-turn chat prompts (~250 tokens); reward 1 when the reply names
@@ -11,7 +11,9 @@ over the 32 sequences (4 micro-batches of 8), AdamW lr 1e-6, KL to the frozen in
 ``--optimizer adamw8bit`` both sides take bitsandbytes' 8-bit AdamW (ours ``algo.optimizer=adamw8bit``, TRL
 ``optim="adamw_bnb_8bit"``). ``--grad-dtype bf16`` holds our learner's gradients in bf16 (``algo.grad_dtype``; TRL
 has no such setting and keeps fp32).
-Precision follows the hardware on both sides (bf16 autocast where bf16 is native, fp32 elsewhere).
+Precision and device follow the hardware on both sides (a CUDA GPU when torch sees one, else the CPU; bf16 autocast
+where bf16 is native, fp32 elsewhere). ``--model DIR`` replaces the embedded SmolLM2 by another HF folder on both
+sides (on a GPU machine without the embedded wheel: a folder of SmolLM2's shape, e.g. ``bench_gpu_learner.build_model``).
 
 Each side runs in its own child process; the parent samples the RSS of the child's whole process tree (our
 vLLM engine is a grandchild) every 0.2 s. Reported: seconds per step (median of the steps after the first,
@@ -40,6 +42,8 @@ MAX_LEN = 512  # our engine's max sequence length: prompt + reply
 LR, KL = 1e-6, 0.001
 OPTIMIZER = os.environ.get("BENCH_TRL_OPTIMIZER", "adamw")  # --optimizer, read by the child processes
 GRAD_DTYPE = os.environ.get("BENCH_TRL_GRAD_DTYPE", "fp32")  # --grad-dtype (ours only), read by the child process
+MODEL = os.environ.get("BENCH_TRL_MODEL", "smollm2-135m")  # --model, read by the child processes
+SHARE = os.environ.get("BENCH_TRL_SHARE_PREFIX")  # --share-prefix on|off (ours only); unset: the learner's default
 # the sides: ours with the vLLM engine in its own processes (the default) or inside the trainer's process
 # (rollout.vllm_in_process), and TRL
 SIDES = ("ours", "ours-in-process", "trl")
@@ -61,6 +65,16 @@ def reward(text: str, available: list[str]) -> float:
     from envs.babyai.parse import parse_action
 
     return 1.0 if parse_action(text, available).action is not None else 0.0
+
+
+def _gpu_peak() -> dict:
+    """The child's peak GPU memory allocated by torch (on a CUDA machine; nothing on the CPU)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    return {"device": torch.cuda.get_device_name(0),
+            "peak_gpu_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3)}
 
 
 def _timings(step_times: list[float], tokens: list[int]) -> dict:
@@ -85,14 +99,15 @@ def run_ours(steps: int, engine: str, in_process: bool = False) -> dict:
     from runtime.memory import trim_heap
 
     torch.manual_seed(0)
-    path = resolve_model("smollm2-135m")
+    path = resolve_model(MODEL)
     tok = AutoTokenizer.from_pretrained(path)
     chat = ChatFormat.from_tokenizer(tok)
     bf16 = resolve_bf16(None)
     # lengths bucketed as the product buckets them (algo.length_buckets' default: 8 per doubling on the CPU)
     learner = TorchLearner(path, LearnerConfig(lr=LR, kl_coef=KL, micro_batch_size=MICRO, bf16_autocast=bf16,
                                                temperature=1.0, optimizer=OPTIMIZER, grad_dtype=GRAD_DTYPE,
-                                               length_buckets=AlgoConfig().length_buckets),
+                                               length_buckets=AlgoConfig().length_buckets,
+                                               **({"share_prefix": SHARE == "on"} if SHARE else {})),
                            reference_path=path)
     if engine == "vllm":
         from runtime.backends.vllm_backend import VLLMBackend, export_fn, is_cpu_build, named_weights_fn
@@ -158,7 +173,7 @@ def run_ours(steps: int, engine: str, in_process: bool = False) -> dict:
     return {"framework": name, "precision": "bf16 autocast" if bf16 else "fp32",
             "mean_prompt_tokens": sum(prompt_lens) / len(prompt_lens), "mean_reward": rewards,
             "breakdown_s": {k: statistics.median(v[1:] or v) for k, v in parts.items()},
-            **_timings(times, tokens)}
+            **_timings(times, tokens), **_gpu_peak()}
 
 
 # --- TRL --------------------------------------------------------------------------------------------------
@@ -172,7 +187,7 @@ def run_trl(steps: int) -> dict:
     from runtime.backends.model import resolve_model
 
     torch.manual_seed(0)
-    path = resolve_model("smollm2-135m")
+    path = resolve_model(MODEL)
     tok = AutoTokenizer.from_pretrained(path)
     bf16 = resolve_bf16(None)
     data = babyai_prompts(PROMPTS * steps)
@@ -205,7 +220,7 @@ def run_trl(steps: int) -> dict:
         cfg = GRPOConfig(output_dir=out, per_device_train_batch_size=MICRO,
                          gradient_accumulation_steps=PROMPTS * GENS // MICRO, num_generations=GENS,
                          max_completion_length=NEW_TOKENS, learning_rate=LR, beta=KL, temperature=1.0,
-                         bf16=bf16, use_cpu=True, max_steps=steps, logging_steps=1, report_to="none",
+                         bf16=bf16, use_cpu=not torch.cuda.is_available(), max_steps=steps, logging_steps=1, report_to="none",
                          save_strategy="no", shuffle_dataset=False, seed=0, dataloader_num_workers=0,
                          lr_scheduler_type="constant", warmup_steps=0,
                          **({"optim": "adamw_bnb_8bit"} if OPTIMIZER == "adamw8bit" else {}))
@@ -216,7 +231,7 @@ def run_trl(steps: int) -> dict:
     # num_tokens is TRL's running total of prompt + completion tokens; per step = differences
     per_step = [b - a for a, b in zip([0] + tokens[:-1], tokens)] if len(tokens) == len(times) else [0] * len(times)
     return {"framework": "trl GRPOTrainer (HF generate)", "precision": "bf16 autocast" if bf16 else "fp32",
-            "mean_reward": rewards, **_timings(times, per_step)}
+            "mean_reward": rewards, **_timings(times, per_step), **_gpu_peak()}
 
 
 # --- driver -----------------------------------------------------------------------------------------------
@@ -271,6 +286,10 @@ def main() -> None:
                     help="both sides' optimizer: torch AdamW (default) or bitsandbytes' 8-bit AdamW")
     ap.add_argument("--grad-dtype", choices=["fp32", "bf16"], default=None,
                     help="our learner's gradient buffers (algo.grad_dtype; TRL keeps fp32): fp32 (default) or bf16")
+    ap.add_argument("--model", default=None,
+                    help="an HF model folder for both sides instead of the embedded smollm2-135m")
+    ap.add_argument("--share-prefix", choices=["on", "off"], default=None,
+                    help="our learner's shared-prompt forward (algo.share_prefix); default: the learner's default")
     ap.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -280,6 +299,12 @@ def main() -> None:
         os.environ["BENCH_TRL_OPTIMIZER"] = a.optimizer
     if a.grad_dtype:  # read by our child process
         os.environ["BENCH_TRL_GRAD_DTYPE"] = a.grad_dtype
+    if a.share_prefix:  # read by our child process
+        os.environ["BENCH_TRL_SHARE_PREFIX"] = a.share_prefix
+    if a.model:  # read by both child processes
+        if not Path(a.model).is_dir():
+            ap.error(f"--model {a.model}: no such folder (an HF model folder: config.json, weights, tokenizer)")
+        os.environ["BENCH_TRL_MODEL"] = str(Path(a.model).resolve())
     if a.steps < 2:
         ap.error("--steps must be >= 2 (the first step is warm-up)")
     if a.worker:
@@ -310,6 +335,8 @@ def main() -> None:
             print(f"{r['framework']}: per step " + ", ".join(f"{k} {v:.1f}" for k, v in r["breakdown_s"].items()))
         print(f"{r['framework']}: RSS at the peak " + ", ".join(f"{k} {v:.2f} GiB"
                                                               for k, v in r["rss_at_peak_gib"].items()))
+        if "peak_gpu_allocated_gib" in r:
+            print(f"{r['framework']}: on {r['device']}, peak GPU memory allocated {r['peak_gpu_allocated_gib']:.2f} GiB")
     trl_rows = [r for r in rows if r["framework"].startswith("trl")]
     for r in rows:
         if trl_rows and r is not trl_rows[0]:
@@ -320,7 +347,9 @@ def main() -> None:
     res.write_text(json.dumps({"workload": {"prompts": PROMPTS, "generations": GENS, "max_new_tokens": NEW_TOKENS,
                                             "micro_batch": MICRO, "lr": LR, "kl": KL,
                                             "optimizer": a.optimizer or "adamw",
-                                            "grad_dtype": a.grad_dtype or "fp32"}, "rows": rows}, indent=2))
+                                            "grad_dtype": a.grad_dtype or "fp32",
+                                            "model": a.model or "smollm2-135m",
+                                            "share_prefix": a.share_prefix or "default"}, "rows": rows}, indent=2))
     print(f"wrote {res}")
 
 

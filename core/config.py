@@ -379,9 +379,11 @@ class AlgoConfig(_Strict):
                                 "about the same time per token (docs: concepts/learner). None: micro_batch_size alone.")
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per epoch (the batch is split).")
     ppo_epochs: int = Field(1, ge=1, description="Passes over the batch per training step.")
-    share_prefix: bool = Field(True, description="The samples of a group run their common prompt through the "
-                                                 "learner once per forward (same log-probs and gradients, fewer "
-                                                 "FLOPs).")
+    share_prefix: bool | None = Field(
+        None, description="The samples of a group run their common prompt through the learner once per forward "
+                          "(same log-probs and gradients, fewer FLOPs, more and smaller forwards). None: on on the "
+                          "CPU, where FLOPs are the cost, and off on a GPU, where small forwards leave it idle (docs: "
+                          "concepts/learner).")
     logprob_chunk: int = Field(512, ge=0, description="Policy positions whose log-probs (and entropies) are "
                                                       "computed at once: the [positions, vocab] logits never exceed "
                                                       "this many rows (recomputed per chunk in the backward pass). "

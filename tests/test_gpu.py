@@ -281,6 +281,7 @@ def test_cuda_learner_matches_cpu_learner():
         gpu = TorchLearner(path, LearnerConfig(bf16_autocast=bf16, device="cuda", length_buckets=buckets, **kw))
         assert next(gpu.model.parameters()).device.type == "cuda" and gpu.ref is not None
         assert next(gpu.ref.parameters()).device.type == "cuda"
+        assert gpu.cfg.share_prefix is False  # the default (None) on a GPU; the CPU learners above share the prompt
         s_gpu = _update_matches(gpu, record_grads(gpu), s_cpu, g_cpu, grad_tol, loss_tol,
                                 f"bf16={bf16}, length buckets {buckets}")
         assert s_gpu["grad_norm"] == pytest.approx(s_cpu["grad_norm"], rel=1e-4 if not bf16 else max(2 * bf16_norm, 1e-2))

@@ -493,9 +493,12 @@ def test_bucketed_lengths_give_the_same_update(tiny_model_dir):
         assert any(gb[k].abs().sum() > 0 for k in gb)
         for k in ga:
             assert torch.allclose(ga[k], gb[k], atol=1e-5, rtol=1e-4), (k, float((ga[k] - gb[k]).abs().max()))
-    # the run config's default (None) buckets on the CPU
-    auto = TorchLearner(tiny_model_dir, LearnerConfig(device="cpu", length_buckets=None))
-    assert auto.cfg.length_buckets == 8
+    # the run config's defaults (None) bucket and share the prompt on the CPU (a GPU learner does neither)
+    from core.config import AlgoConfig
+
+    assert AlgoConfig().length_buckets is None and AlgoConfig().share_prefix is None
+    auto = TorchLearner(tiny_model_dir, LearnerConfig(device="cpu", length_buckets=None, share_prefix=None))
+    assert auto.cfg.length_buckets == 8 and auto.cfg.share_prefix is True
 
 
 def test_right_padded_rows_run_without_a_mask_with_the_same_logprobs_and_gradients(tiny_model_dir):

@@ -54,7 +54,7 @@ class LearnerConfig:
     critic_path: str | None = None  # None: a copy of the policy's initial model
     critic_lr: float = 1e-5
     value_clip: float = 0.2
-    share_prefix: bool = True  # a group's common prompt runs once per forward (core.prefix)
+    share_prefix: bool | None = None  # a group's common prompt runs once per forward (core.prefix); None: CPU only
     min_shared_prefix: int = 16
     logprob_chunk: int = 512  # policy positions projected onto the vocabulary at once (0: all at once)
     length_buckets: int | None = 0  # > 0: forwards on bucketed lengths (bucket_length); None: CPU_BUCKETS on the CPU
@@ -278,6 +278,8 @@ class TorchLearner:
         self.device = resolve_device(cfg.device)
         if cfg.length_buckets is None:  # few shapes matter to the CPU's oneDNN; a GPU's attention wants no padding
             cfg = dataclasses.replace(cfg, length_buckets=CPU_BUCKETS if self.device.type == "cpu" else 0)
+        if cfg.share_prefix is None:  # the CPU pays per FLOP; a GPU per forward (small blocks leave it idle)
+            cfg = dataclasses.replace(cfg, share_prefix=self.device.type == "cpu")
         self.cfg = cfg
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.lora = cfg.lora
