@@ -11,7 +11,7 @@ held-out tasks at ``--turn-limit`` turns; the warm start is scored once on the s
 (its ``summary.json``) is reused, an unfinished one resumes from its checkpoint. Finished runs' checkpoints are
 deleted unless ``--keep-checkpoints``.
 
-The report (``--results``, default bench/results/rl-vs-warmstart/): per arm, held-out success pooled over seeds,
+The report (``--results``, default bench/results/, the path issue 44 names): per arm, held-out success pooled over seeds,
 the paired difference against the warm start with a 95 % interval from a bootstrap over seeds and tasks
 (``core.stats.seed_task_bootstrap``) and, beside it, the per-task bootstrap of the pooled outcomes; each seed's
 gain and exact McNemar p; success by required-turns bucket (1, 2-3, 4-6, 7+); and per-phase means of the step
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--turn-limit", type=int, default=None,
                     help="the held-out budget (default: the preset's last phase's turn limit)")
     ap.add_argument("--output-dir", type=Path, default=Path("runs-rl-vs-warm"))
-    ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "rl-vs-warmstart")
+    ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--set", action="append", help="a config override for every arm (after the arm's own)")
     ap.add_argument("--keep-checkpoints", action="store_true")
     ap.add_argument("--chosen", default="groups@10,groups@last,recipe",

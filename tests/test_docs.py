@@ -150,10 +150,12 @@ def test_every_result_file_is_cited():
     and .png share a stem: citing one cites the report)."""
     cited = "\n".join(p.read_text() for p in DOCS.rglob("*.md")) + (ROOT / "README.md").read_text() \
         + (RESULTS / "README.md").read_text()
-    loose = [p.name for p in RESULTS.iterdir() if p.is_file() and p.name != "README.md"]
+    # issue 44 names its report's path at the top level: bench/results/rl-vs-warmstart-babyai-multistep-<date>.json
+    named = ("rl-vs-warmstart-",)
+    loose = [p.name for p in RESULTS.iterdir() if p.is_file() and p.name != "README.md" and not p.name.startswith(named)]
     uncited = []
     for path in RESULTS.rglob("*"):
-        if path.is_file() and path.parent != RESULTS:
+        if path.is_file() and (path.parent != RESULTS or path.name.startswith(named)):
             rel = path.relative_to(RESULTS).as_posix()
             if rel.rsplit(".", 1)[0] not in cited:
                 uncited.append(rel)
