@@ -72,6 +72,9 @@ ARMS: dict[str, list[str]] = {
     # the best arm at one fixed horizon, the evaluation's 10 turns, for all 12 steps: do the short phases (3, 6
     # turns) teach the habits the runs lose tasks by (the door in view opened first, an invalid reply repeated)?
     "groups@10": GROUPS + FIT + DYN + ['curriculum.phases=[{"turn_limit":10,"steps":12}]'],
+    # groups@10 with a 4x stronger anchor to the warm start: does the KL keep the 2-3-turn tasks it loses?
+    "groups@10+kl0.2": [x if not x.startswith("algo.kl_coef=") else "algo.kl_coef=0.2" for x in GROUPS] + FIT + DYN
+    + ['curriculum.phases=[{"turn_limit":10,"steps":12}]'],
     # the same for any env and preset: `groups` with all the preset's steps at its last phase's turn limit (on the
     # BabyAI multistep preset, groups@10; on TextCraft easy, 12 steps at 4 turns)
     "groups@last": GROUPS + FIT + DYN,
