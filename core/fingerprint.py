@@ -25,6 +25,8 @@ OPERATIONAL_KEYS = frozenset({
     # how a mini-batch is cut into forwards and padded (the loss weights are the whole mini-batch's;
     # tests/test_learning.py)
     "rollout.async_episodes", "algo.micro_batch_tokens", "algo.length_buckets",
+    # a group's prompt run once or with each row: the same log-probs and gradients (its default follows the device)
+    "algo.share_prefix",
     # what the engine hands back to the OS while the learner updates (it generates the same tokens either way)
     "rollout.vllm_release_kv", "rollout.vllm_release_weights",
     # where it runs: env servers' addresses, the device, the engine's GPU share and sharding, the learner's nodes
@@ -109,13 +111,15 @@ def check_resume(stored: Mapping[str, Any] | None, current: Mapping[str, Any],
     """Compare a checkpoint's fingerprint ``stored`` with the current config's ``current`` (both as made by
     ``fingerprint``); differences under a key in ``allow`` are allowed, the others refused. A setting added after
     the checkpoint was written (absent from it) is no change while the current value is its default
-    (``defaults``, e.g. ``default_values()``): the checkpoint was trained with what that default does."""
+    (``defaults``, e.g. ``default_values()``): the checkpoint was trained with what that default does. A key an
+    older checkpoint recorded that is operational now (``OPERATIONAL_KEYS``) is no change either."""
     if not stored or "values" not in stored:
         return ResumeCheck(unchecked=True)
     if stored.get("sha256") == current.get("sha256"):
         return ResumeCheck()
     allow = list(allow)
-    changes = diff(stored["values"], current["values"])
+    # a key made operational after the checkpoint was written is in its values but no longer counts
+    changes = [c for c in diff(stored["values"], current["values"]) if c.key not in OPERATIONAL_KEYS]
     if defaults is not None:
         changes = [c for c in changes if not (c.old is ABSENT and c.key in defaults and c.new == defaults[c.key])]
     return ResumeCheck(refused=[c for c in changes if not is_allowed(c.key, allow)],

@@ -91,6 +91,19 @@ def test_a_setting_newer_than_the_checkpoint_is_no_change_at_its_default():
     assert [str(c) for c in chk.refused] == ["rollout.history_turns: (absent) -> 2"]
 
 
+def test_a_key_made_operational_later_is_no_change():
+    """algo.share_prefix was a training key before its default began to follow the device; a checkpoint that
+    recorded it resumes (same log-probs and gradients either way), while a real change is still refused."""
+    from core.config import RunConfig
+
+    current = fingerprint(RunConfig().model_dump(mode="json"))
+    assert "algo.share_prefix" not in current["values"]
+    stored = {"version": 1, "sha256": "older", "values": {**current["values"], "algo.share_prefix": True}}
+    assert check_resume(stored, current) == check_resume(current, current)
+    stored["values"]["algo.lr"] = 123.0
+    assert [c.key for c in check_resume(stored, current).refused] == ["algo.lr"]
+
+
 def test_mismatch_message_names_keys_values_and_both_ways_out():
     msg = str(ResumeMismatch("r", "/ck/phase-1/step-000002", [Change("algo.lr", 1e-6, 0.001),
                                                               Change("seed", 0, 1)]))
