@@ -30,15 +30,10 @@ def tiny_babyai_run(tmp_path_factory):
     """One real ``scalinginter run babyai --preset tiny`` (run name ``e2e``), shared: tests/test_e2e.py inspects and
     re-runs it (and drops its checkpoints when its module ends), tests/test_viewer.py serves a copy of it. Yields the
     output dir and the run's printed log; its checkpoints are removed when the session ends."""
-    import subprocess
+    from tests.clirun import cli
 
     out = tmp_path_factory.mktemp("e2e")
-    exe = Path(sys.executable).with_name("scalinginter")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "flows.cli"]
-    # a loaded machine can take longer than Prefect's default 20 s to start the ephemeral API
-    env = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180", **os.environ, "PYTHONPATH": str(ROOT)}
-    p = subprocess.run(cmd + ["run", "babyai", "--preset", "tiny", "--set", f"output_dir={out}", "--run-name", "e2e"],
-                       cwd=out, env=env, capture_output=True, text=True, timeout=900)
+    p = cli("run", "babyai", "--preset", "tiny", "--set", f"output_dir={out}", "--run-name", "e2e", cwd=out)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     yield out, p.stdout + p.stderr
     import shutil

@@ -2,26 +2,15 @@
 SmolLM2-135M on CPU, MLflow sqlite, local checkpoints) on a tiny budget; then we inspect what it left."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.clirun import cli
+
 RUN = "e2e"
-
-
-def cli(*args, cwd, timeout=900):
-    exe = Path(sys.executable).with_name("scalinginter")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "flows.cli"]
-    # a loaded machine can take longer than Prefect's default 20 s to start the ephemeral API
-    env = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180", **os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run(cmd + list(args), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

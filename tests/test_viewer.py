@@ -14,7 +14,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,8 +25,8 @@ import pytest
 from core import trajview as V
 from core.metrics import DIAGNOSTICS
 from core.trajectory import Trajectory
+from tests.clirun import cli as _cli
 
-ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
 
 
@@ -276,16 +275,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _cli(*args: str, cwd: Path, timeout: int = 900, popen: bool = False):
-    exe = Path(sys.executable).with_name("scalinginter")
-    cmd = ([str(exe)] if exe.exists() else [sys.executable, "-m", "flows.cli"]) + list(args)
-    # the ephemeral Prefect API's 20 s start is too short on a busy 2-core machine
-    env = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180", **os.environ, "PYTHONPATH": str(ROOT)}
-    if popen:
-        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
