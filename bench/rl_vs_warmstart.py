@@ -75,6 +75,10 @@ ARMS: dict[str, list[str]] = {
     # groups@10 with a 4x stronger anchor to the warm start: does the KL keep the 2-3-turn tasks it loses?
     "groups@10+kl0.2": [x if not x.startswith("algo.kl_coef=") else "algo.kl_coef=0.2" for x in GROUPS] + FIT + DYN
     + ['curriculum.phases=[{"turn_limit":10,"steps":12}]'],
+    # groups@10 with up to 2 solved groups a step replayed (advantage 1 on their own actions): tasks the warm start
+    # solves keep a gradient instead of being dropped by the refill (the 2-3-turn tasks it loses)
+    "groups@10+replay": GROUPS + FIT + DYN + ["algo.replay_solved=2"]
+    + ['curriculum.phases=[{"turn_limit":10,"steps":12}]'],
     # the same for any env and preset: `groups` with all the preset's steps at its last phase's turn limit (on the
     # BabyAI multistep preset, groups@10; on TextCraft easy, 12 steps at 4 turns)
     "groups@last": GROUPS + FIT + DYN,
@@ -87,8 +91,8 @@ ARMS: dict[str, list[str]] = {
     # without gradient as in a group-relative estimator's all-success groups), all-fail groups get the expert's episode
     "rft": ["algo.estimator=filtered-bc", "algo.lr=1e-5", "algo.kl_coef=0.05", "algo.expert_groups=true"] + FIT,
 }
-DIAG = ("diag/zero_adv_group_frac", "expert_groups", "dyn/first_round_zero_var_frac", "dyn/groups_dropped", "train/skipped",
-        "train/expert_samples", "train/expert_nll", "train/entropy", "train/kl", "diag/repeated_action_rate",
+DIAG = ("diag/zero_adv_group_frac", "expert_groups", "dyn/first_round_zero_var_frac", "dyn/groups_dropped", "replay_groups",
+        "train/skipped", "train/expert_samples", "train/expert_nll", "train/entropy", "train/kl", "diag/repeated_action_rate",
         "diag/invalid_action_rate", "diag/turns_used_frac", "success_rate", "step_time_s")
 
 

@@ -324,6 +324,14 @@ class AlgoConfig(_Strict):
     expert_decay: Literal["none", "linear"] = Field(
         "none", description="How expert_coef changes over the run: none (constant) or linear (expert_coef x (1 - "
                             "global step / total steps)).")
+    replay_solved: int = Field(
+        0, ge=0, description="Up to this many groups of the step whose live samples all succeeded (no group-relative "
+                             "signal: the estimator gives them 0, dynamic sampling drops them) stay in the batch with "
+                             "advantage replay_coef on their own action tokens: tasks the policy already solves keep "
+                             "a gradient (and the KL term sees their states) while it learns others. Needs a "
+                             "group-relative estimator (grpo, rloo, gigpo). 0: off.")
+    replay_coef: float = Field(1.0, gt=0, description="The advantage on a replayed solved group's action tokens "
+                                                      "(algo.replay_solved).")
     expert_groups: bool = Field(
         False, description="A group in which every live sample failed gets the env expert's own episode of the task "
                            "(at the step's turn limit, when the expert succeeds within it) as one more member: the "
@@ -554,6 +562,10 @@ class RunConfig(_Strict):
         if ln.engine == "deepspeed" and (self.algo.expert_coef > 0 or self.algo.expert_groups):
             raise ValueError("algo.expert_coef's relabels and algo.expert_groups' episodes are trained by the torch "
                              "learner: set learner.engine=torch, or turn them off")
+        if self.algo.replay_solved and self.algo.estimator not in ("grpo", "rloo", "gigpo"):
+            raise ValueError(f"algo.replay_solved gives groups without reward variance a gradient, which only a "
+                             f"group-relative estimator (grpo, rloo, gigpo) leaves without one, not "
+                             f"{self.algo.estimator!r}: set algo.replay_solved=0")
         if self.rollout.dynamic_sampling_rounds and self.algo.estimator not in ("grpo", "rloo", "gigpo"):
             raise ValueError(f"rollout.dynamic_sampling_rounds drops groups without reward variance, which only "
                              f"matters to a group-relative estimator (grpo, rloo, gigpo), not {self.algo.estimator!r}: "

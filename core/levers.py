@@ -63,6 +63,47 @@ def all_failed(successes: Sequence[bool], masked: Sequence[bool] | None = None) 
     return bool(live) and not any(live)
 
 
+def all_succeeded(successes: Sequence[bool], masked: Sequence[bool] | None = None) -> bool:
+    """True when a group has live samples and every one of them succeeded (a task the policy already solves)."""
+    masked = list(masked) if masked is not None else [False] * len(successes)
+    if len(masked) != len(successes):
+        raise ValueError(f"{len(successes)} successes but {len(masked)} mask flags")
+    live = [bool(x) for x, m in zip(successes, masked) if not m]
+    return bool(live) and all(live)
+
+
+def solved_groups(solved: Sequence[Sequence[bool]], taken: Sequence[tuple[int, int]], k: int) -> list[tuple[int, int]]:
+    """``algo.replay_solved``'s groups: ``solved[r][g]`` says whether every live sample of group ``g`` of rollout round
+    ``r`` succeeded. Returns up to ``k`` (round, group) pairs of solved groups not already in ``taken`` (the step's
+    batch), in round order."""
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    have = set(taken)
+    out: list[tuple[int, int]] = []
+    for r, flags in enumerate(solved):
+        for g, ok in enumerate(flags):
+            if ok and (r, g) not in have and len(out) < k:
+                out.append((r, g))
+    return out
+
+
+def replay_advantages(advantages: Sequence[Sequence[float]], loss_masks: Sequence[Sequence[int]],
+                      replay: Sequence[bool], coef: float) -> list[list[float]]:
+    """The rows flagged in ``replay`` (episodes of a solved group) get ``coef`` on every token of their loss mask (the
+    policy's own actions) and 0 elsewhere: a behaviour-cloning gradient on successes the group-relative estimator gives
+    none (all its samples scored the same). The other rows are returned unchanged."""
+    if not len(advantages) == len(loss_masks) == len(replay):
+        raise ValueError(f"{len(advantages)} advantage rows, {len(loss_masks)} loss masks, {len(replay)} replay flags")
+    if coef <= 0:
+        raise ValueError(f"coef must be > 0, got {coef}")
+    out = []
+    for row, mask, rep in zip(advantages, loss_masks, replay):
+        if rep and len(mask) != len(row):
+            raise ValueError(f"an advantage row of {len(row)} tokens against a loss mask of {len(mask)}")
+        out.append([coef * float(m) for m in mask] if rep else list(row))
+    return out
+
+
 def mask_truncated(advantages: Sequence[Sequence[float]], finish_reasons: Sequence[str]) -> list[list[float]]:
     """The advantages with every row of a truncated episode (turn limit, token budget) set to 0: no policy-gradient
     term for it, whatever its group said."""

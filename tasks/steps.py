@@ -18,7 +18,7 @@ import random
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -47,6 +47,7 @@ class Batch:
 
     trajectories: list[Trajectory]
     metrics: dict[str, float]
+    replay_groups: list[int] = field(default_factory=list)  # algo.replay_solved: solved groups kept for a gradient
 
 
 @dataclass
@@ -322,7 +323,7 @@ def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, tur
 @timed("rollout")
 def rollout_batch(key: str, urls: list[str], global_step: int, turn_limit: int) -> Batch:
     """The step's episodes: its tasks (a function of the global step), ``samples_per_task`` each, at ``turn_limit``."""
-    from core.levers import keep_groups
+    from core.levers import keep_groups, solved_groups
 
     s = get_session(key)
     r = s.cfg.rollout
@@ -346,6 +347,7 @@ def rollout_batch(key: str, urls: list[str], global_step: int, turn_limit: int) 
         return trajs, m
 
     trajs, metrics = one_round(0)
+    replay_n, replay = s.cfg.algo.replay_solved, []
     if r.dynamic_sampling_rounds:  # drop groups without reward variance, refill with fresh tasks (DAPO)
         rounds, flags = [trajs], [_variance_flags(trajs)]
         while sum(map(sum, flags)) < r.tasks_per_step and len(rounds) <= r.dynamic_sampling_rounds:
@@ -356,6 +358,8 @@ def rollout_batch(key: str, urls: list[str], global_step: int, turn_limit: int) 
                       "env_servers_replaced", "expert_groups"):
                 metrics[k] = metrics.get(k, 0.0) + m.get(k, 0.0)
         kept = keep_groups(flags, r.tasks_per_step)
+        # algo.replay_solved: solved groups the refill dropped join the batch after the groups with signal
+        extra = solved_groups([_solved_flags(rnd) for rnd in rounds], kept, replay_n) if kept and replay_n else []
         everything = [t for rnd in rounds for t in rnd]
         metrics.update(episode_metrics([t for t in everything if not t.expert_demo]))  # what the policy did
         metrics["dyn/rounds"] = float(len(rounds))
@@ -364,17 +368,24 @@ def rollout_batch(key: str, urls: list[str], global_step: int, turn_limit: int) 
         metrics["dyn/groups_dropped"] = float(sum(len(f) for f in flags) - len(kept))
         metrics["dyn/first_round_zero_var_frac"] = 1.0 - sum(flags[0]) / max(1, len(flags[0]))
         if kept:
-            groups = [[t for t in rounds[k] if t.group_id == g] for k, g in kept]  # all picked, then renumbered
+            groups = [[t for t in rounds[k] if t.group_id == g] for k, g in kept + extra]  # all picked, renumbered
             trajs = []
             for new_gid, group in enumerate(groups):
                 for t in group:
                     t.group_id = new_gid
                 trajs += group
-        # no group with signal after the last round: the first round's groups, a step without signal
+            replay = list(range(len(kept), len(kept) + len(extra)))
+        # no group with signal after the last round: the first round's groups, a step without signal (unless some
+        # are solved and algo.replay_solved replays them, below)
+    if replay_n and not replay:  # without a refill: the batch's own solved groups
+        solved = [g for g, ok in zip(_by_group(trajs), _solved_flags(trajs)) if ok]
+        replay = solved[:replay_n]
+    if replay_n:
+        metrics["replay_groups"] = float(len(replay))
     for t in trajs:
         t.turn_limit = turn_limit
     metrics["max_turns_seen"] = float(max((t.turns for t in trajs), default=0))
-    return Batch(trajs, metrics)
+    return Batch(trajs, metrics, replay)
 
 
 def with_expert_episodes(s: Session, urls: list[str], trajs: list[Trajectory],
@@ -424,6 +435,15 @@ def _by_group(trajs: list[Trajectory]) -> dict[int, list[Trajectory]]:
     for t in trajs:
         groups.setdefault(t.group_id, []).append(t)
     return dict(sorted(groups.items()))
+
+
+def _solved_flags(trajs: list[Trajectory]) -> list[bool]:
+    """Per group (in group-id order), whether all its live samples succeeded (``core.levers.all_succeeded``) and
+    none is an expert's episode."""
+    from core.levers import all_succeeded
+
+    return [all_succeeded([t.success for t in ts], [t.masked for t in ts]) and not any(t.expert_demo for t in ts)
+            for ts in _by_group(trajs).values()]
 
 
 def _variance_flags(trajs: list[Trajectory]) -> list[bool]:
@@ -482,6 +502,14 @@ def compute_advantages(key: str, batch: Batch) -> Advantages:
 
         advantages = mask_truncated(advantages, [t.finish_reason for t in trajs])
         stats["truncated_masked"] = float(sum(is_truncated(t) and not t.masked for t in trajs))
+        stats["episodes_with_signal"] = float(sum(1 for row in advantages if any(x != 0 for x in row)))
+    if a.replay_solved and getattr(batch, "replay_groups", None):  # solved groups: a gradient on their own actions
+        from core.levers import replay_advantages
+
+        rep = set(batch.replay_groups)
+        flags = [t.group_id in rep and not t.masked for t in trajs]
+        advantages = replay_advantages(advantages, [t.loss_mask for t in trajs], flags, a.replay_coef)
+        stats["replayed_episodes"] = float(sum(flags))
         stats["episodes_with_signal"] = float(sum(1 for row in advantages if any(x != 0 for x in row)))
     return Advantages(advantages, returns, prepared, stats)
 

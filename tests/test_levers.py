@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from core.advantages import EstimatorParams, filtered_bc_reference, trajectory_advantages
-from core.levers import (expert_coef_at, fits_turns, group_has_variance, has_signal, keep_groups, mask_truncated,
-                         relabel_turns)
+from core.levers import (all_succeeded, expert_coef_at, fits_turns, group_has_variance, has_signal, keep_groups,
+                         mask_truncated, relabel_turns, replay_advantages, solved_groups)
 from core.seeds import round_seed, step_seed
 from core.trajectory import Trajectory, relabel_sample, reply_starts
 
@@ -45,6 +45,32 @@ def test_keep_groups_takes_groups_with_variance_in_round_order():
     assert keep_groups([[False, False]], 2) == []
     with pytest.raises(ValueError):
         keep_groups(rounds, 0)
+
+
+def test_all_succeeded_and_the_solved_groups_to_replay():
+    assert all_succeeded([True, True]) and not all_succeeded([True, False]) and not all_succeeded([])
+    assert all_succeeded([True, False], [False, True])  # the failed sample was masked (a crashed server)
+    assert not all_succeeded([True], [True])  # nothing live
+    with pytest.raises(ValueError):
+        all_succeeded([True], [False, False])
+    solved = [[False, True, True], [True, False]]  # round 0: groups 1, 2 solved; round 1: group 0
+    assert solved_groups(solved, [(0, 0)], 2) == [(0, 1), (0, 2)]
+    assert solved_groups(solved, [(0, 1)], 5) == [(0, 2), (1, 0)]  # one already in the batch is not taken twice
+    assert solved_groups(solved, [], 0) == []
+    with pytest.raises(ValueError):
+        solved_groups(solved, [], -1)
+
+
+def test_replay_advantages_put_the_coefficient_on_the_replayed_rows_action_tokens():
+    adv = [[0.0, 0.0, 0.0, 0.0], [0.0, 0.5, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0]]
+    masks = [[0, 1, 1, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
+    assert replay_advantages(adv, masks, [True, False, True], 0.5) == [[0.0, 0.5, 0.5, 0.0], [0.0, 0.5, 0.5, 0.0],
+                                                                      [0.0, 0.0, 0.5, 0.5]]
+    assert replay_advantages(adv, masks, [False] * 3, 1.0) == adv
+    with pytest.raises(ValueError):
+        replay_advantages(adv, masks, [True], 1.0)
+    with pytest.raises(ValueError):
+        replay_advantages(adv, masks, [True] * 3, 0.0)
 
 
 def test_mask_truncated_zeroes_rows_cut_by_a_limit():
@@ -149,6 +175,9 @@ def test_config_refuses_levers_that_cannot_apply(monkeypatch):
                                             "rollout.dynamic_sampling_rounds=2", "algo.skip_no_signal=true",
                                             "algo.truncated=mask", "rollout.task_filter=fits_turns"])
     assert cfg.algo.expert_coef == 0.2 and cfg.rollout.dynamic_sampling_rounds == 2
+    with pytest.raises(ConfigError, match="replay_solved.*ppo"):
+        build_config("babyai", overrides=["algo.replay_solved=2", "algo.estimator=ppo"])
+    assert build_config("babyai", overrides=["algo.replay_solved=2"]).algo.replay_solved == 2
     with pytest.raises(ConfigError, match="expert_groups.*reinforce"):
         build_config("babyai", overrides=["algo.expert_groups=true", "algo.estimator=reinforce++"])
     for est in ("grpo", "filtered-bc"):  # a group's successes, or filtered-bc's: the expert's episode is one of them
@@ -322,6 +351,60 @@ def test_dynamic_sampling_keeps_the_groups_with_signal(monkeypatch):
     assert b.metrics["dyn/groups_kept"] == 4 and b.metrics["dyn/groups_dropped"] == 4
     assert b.metrics["dyn/first_round_zero_var_frac"] == 0.5
     assert b.metrics["rollout_time_s"] == 2.0 and b.metrics["episodes"] == 16  # what the policy did: both rounds
+
+
+def test_replay_solved_keeps_the_solved_groups_the_refill_dropped(monkeypatch):
+    """As above, with algo.replay_solved=1: round 1's group 2 (both samples succeeded) joins the batch after the four
+    groups with signal as group 4, the one replayed group. Without a refill, a batch's own solved group is replayed."""
+    import tasks.steps as T
+    from core.config import RunConfig
+    from runtime.context import Runtime, Session
+
+    rewards = {0: [(0, 0), (0, 1), (1, 1), (1, 0)], 1: [(1, 0), (0, 0), (1, 0), (0, 1)]}
+    for rounds, want_groups, want_replay in ((3, 5, [4]), (0, 4, [2])):
+        cfg = RunConfig.model_validate({"env": {"name": "toy"}, "algo": {"replay_solved": 1}, "rollout": {
+            "backend": "transformers", "tasks_per_step": 4, "samples_per_task": 2, "dynamic_sampling_rounds": rounds}})
+        calls = []
+
+        def fake_rollout(s, urls, tasks, samples, limit, temp, max_new, label, seed=None, after_turn=None,
+                         expert=None):
+            k = len(calls)
+            calls.append(tasks)
+            return [_traj(task, g, float(r), "success" if r else "failure")
+                    for g, (task, pair) in enumerate(zip(tasks, rewards[k])) for r in pair], {}
+
+        monkeypatch.setattr(T, "_rollout", fake_rollout)
+        with Runtime() as rt:
+            key = rt.add_session(Session(cfg=cfg))
+            b = T.rollout_batch.fn(key, [], 5, 2)
+        assert len({t.group_id for t in b.trajectories}) == want_groups and b.replay_groups == want_replay
+        assert b.metrics["replay_groups"] == 1.0
+        replayed = [t for t in b.trajectories if t.group_id in b.replay_groups]
+        assert [t.task_id for t in replayed] == [calls[0][2]] * 2 and all(t.success for t in replayed)
+
+
+def test_replayed_groups_get_the_coefficient_and_the_others_their_grpo_advantage():
+    """Group 0 {1, 0} (GRPO without std: +0.5, -0.5), group 1 {1, 1} replayed at 0.3 (its GRPO advantage is 0), one of
+    its samples masked (a crashed server: it stays at 0)."""
+    import tasks.steps as T
+    from core.config import RunConfig
+    from runtime.context import Runtime, Session
+
+    class Learner:
+        def prepare(self, samples, old_for_reward=False):
+            return None
+
+    trajs = [_traj(0, 0, 1.0, "success"), _traj(0, 0, 0.0, "failure"), _traj(1, 1, 1.0, "success"),
+             _traj(1, 1, 1.0, "success"), _traj(1, 1, 1.0, "success")]
+    trajs[4].masked = True
+    cfg = RunConfig.model_validate({"env": {"name": "toy"}, "rollout": {"backend": "transformers"},
+                                    "algo": {"normalize_std": False, "replay_solved": 1, "replay_coef": 0.3}})
+    with Runtime() as rt:
+        key = rt.add_session(Session(cfg=cfg, learner=Learner()))
+        adv = T.compute_advantages.fn(key, T.Batch(trajs, {}, [1]))
+    for row, t, w in zip(adv.advantages, trajs, [0.5, -0.5, 0.3, 0.3, 0.0]):
+        assert row == pytest.approx([w * m for m in t.loss_mask])
+    assert adv.stats["replayed_episodes"] == 2 and adv.stats["episodes_with_signal"] == 4
 
 
 def _step_advantages(trajs: list[Trajectory], **algo):
