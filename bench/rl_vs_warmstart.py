@@ -79,6 +79,9 @@ ARMS: dict[str, list[str]] = {
     # solves keep a gradient instead of being dropped by the refill (the 2-3-turn tasks it loses)
     "groups@10+replay": GROUPS + FIT + DYN + ["algo.replay_solved=2"]
     + ['curriculum.phases=[{"turn_limit":10,"steps":12}]'],
+    # groups@10 with the expert's relabels (weight 1, decaying): the expert's reply at the first state each episode
+    # left its path, where a policy that lost a task's order goes wrong (recipe and dagger kept more 2-3-turn tasks)
+    "groups@10+expert": GROUPS + EXPERT + FIT + DYN + ['curriculum.phases=[{"turn_limit":10,"steps":12}]'],
     # the same for any env and preset: `groups` with all the preset's steps at its last phase's turn limit (on the
     # BabyAI multistep preset, groups@10; on TextCraft easy, 12 steps at 4 turns)
     "groups@last": GROUPS + FIT + DYN,
