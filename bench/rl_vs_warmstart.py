@@ -55,6 +55,7 @@ RECIPE = STOP_DRIFT + EXPERT + FIT + DYN
 # the `groups` arms' levers: half the step size, the KL anchor, no update without signal, the expert's episode in
 # all-fail groups
 GROUPS = ["algo.lr=1e-5", "algo.kl_coef=0.05", "algo.skip_no_signal=true", "algo.expert_groups=true"]
+AT10 = ['curriculum.phases=[{"turn_limit":10,"steps":12}]']  # all 12 steps at the evaluation's 10 turns
 ARMS: dict[str, list[str]] = {
     "preset": [],  # the study's recipe: lr 3e-5, no KL (the runs that ended below the warm start)
     "stop-drift": STOP_DRIFT,  # lr 2e-5, a k3 KL to the warm start, no update without signal
@@ -71,17 +72,16 @@ ARMS: dict[str, list[str]] = {
     "groups+invalid": GROUPS + ["algo.invalid_action_penalty=0.1"] + FIT + DYN,
     # the best arm at one fixed horizon, the evaluation's 10 turns, for all 12 steps: do the short phases (3, 6
     # turns) teach the habits the runs lose tasks by (the door in view opened first, an invalid reply repeated)?
-    "groups@10": GROUPS + FIT + DYN + ['curriculum.phases=[{"turn_limit":10,"steps":12}]'],
+    "groups@10": GROUPS + FIT + DYN + AT10,
     # groups@10 with a 4x stronger anchor to the warm start: does the KL keep the 2-3-turn tasks it loses?
     "groups@10+kl0.2": [x if not x.startswith("algo.kl_coef=") else "algo.kl_coef=0.2" for x in GROUPS] + FIT + DYN
-    + ['curriculum.phases=[{"turn_limit":10,"steps":12}]'],
+    + AT10,
     # groups@10 with up to 2 solved groups a step replayed (advantage 1 on their own actions): tasks the warm start
     # solves keep a gradient instead of being dropped by the refill (the 2-3-turn tasks it loses)
-    "groups@10+replay": GROUPS + FIT + DYN + ["algo.replay_solved=2"]
-    + ['curriculum.phases=[{"turn_limit":10,"steps":12}]'],
+    "groups@10+replay": GROUPS + FIT + DYN + ["algo.replay_solved=2"] + AT10,
     # groups@10 with the expert's relabels (weight 1, decaying): the expert's reply at the first state each episode
     # left its path, where a policy that lost a task's order goes wrong (recipe and dagger kept more 2-3-turn tasks)
-    "groups@10+expert": GROUPS + EXPERT + FIT + DYN + ['curriculum.phases=[{"turn_limit":10,"steps":12}]'],
+    "groups@10+expert": GROUPS + EXPERT + FIT + DYN + AT10,
     # the same for any env and preset: `groups` with all the preset's steps at its last phase's turn limit (on the
     # BabyAI multistep preset, groups@10; on TextCraft easy, 12 steps at 4 turns)
     "groups@last": GROUPS + FIT + DYN,

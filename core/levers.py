@@ -4,6 +4,8 @@
   optimizer state): AdamW would otherwise keep moving every weight through its momentum on a step with no signal.
 - ``group_has_variance`` / ``keep_groups``: dynamic sampling (DAPO): groups whose live samples all got the same
   reward carry no group-relative signal; they are dropped and fresh groups take their place, round by round.
+- ``all_succeeded`` / ``solved_groups`` / ``replay_advantages``: algo.replay_solved: groups whose live samples all
+  succeeded keep a gradient (the replay coefficient on their own action tokens) instead of none.
 - ``mask_truncated``: episodes a turn limit or token budget cut short are left out of the policy-gradient loss
   instead of being scored as failures (DAPO's overlong filtering); they still count in their group's baseline.
 - ``expert_coef_at``: the weight of the auxiliary log-likelihood of the expert's action at the states the policy
@@ -32,12 +34,28 @@ def has_signal(advantages: Sequence[Sequence[float]], expert_samples: int = 0) -
     return expert_samples > 0 or any(x != 0 for row in advantages for x in row)
 
 
+def _live(values: Sequence, masked: Sequence[bool] | None, what: str) -> list:
+    """The values of a group's samples that are not masked (``masked`` None: all of them)."""
+    masked = list(masked) if masked is not None else [False] * len(values)
+    if len(masked) != len(values):
+        raise ValueError(f"{len(values)} {what} but {len(masked)} mask flags")
+    return [v for v, m in zip(values, masked) if not m]
+
+
+def _take(rounds: Sequence[Sequence[bool]], k: int, skip: Sequence[tuple[int, int]] = ()) -> list[tuple[int, int]]:
+    """Up to ``k`` (round, group) pairs whose flag ``rounds[r][g]`` is set, in round order, leaving out ``skip``."""
+    have = set(skip)
+    out: list[tuple[int, int]] = []
+    for r, flags in enumerate(rounds):
+        for g, ok in enumerate(flags):
+            if ok and (r, g) not in have and len(out) < k:
+                out.append((r, g))
+    return out
+
+
 def group_has_variance(rewards: Sequence[float], masked: Sequence[bool] | None = None) -> bool:
     """True when the live samples of one group did not all get the same reward (fewer than two live: False)."""
-    masked = list(masked) if masked is not None else [False] * len(rewards)
-    if len(masked) != len(rewards):
-        raise ValueError(f"{len(rewards)} rewards but {len(masked)} mask flags")
-    live = [float(r) for r, m in zip(rewards, masked) if not m]
+    live = [float(r) for r in _live(rewards, masked, "rewards")]
     return len(live) >= 2 and any(r != live[0] for r in live[1:])
 
 
@@ -48,27 +66,18 @@ def keep_groups(rounds: Sequence[Sequence[bool]], wanted: int) -> list[tuple[int
     step without signal, skipped)."""
     if wanted < 1:
         raise ValueError(f"wanted must be >= 1, got {wanted}")
-    out: list[tuple[int, int]] = []
-    for r, flags in enumerate(rounds):
-        for g, ok in enumerate(flags):
-            if ok and len(out) < wanted:
-                out.append((r, g))
-    return out
+    return _take(rounds, wanted)
 
 
 def all_failed(successes: Sequence[bool], masked: Sequence[bool] | None = None) -> bool:
     """True when a group has live samples and none of them succeeded (expert_groups completes such a group)."""
-    masked = list(masked) if masked is not None else [False] * len(successes)
-    live = [bool(x) for x, m in zip(successes, masked) if not m]
+    live = [bool(x) for x in _live(successes, masked, "successes")]
     return bool(live) and not any(live)
 
 
 def all_succeeded(successes: Sequence[bool], masked: Sequence[bool] | None = None) -> bool:
     """True when a group has live samples and every one of them succeeded (a task the policy already solves)."""
-    masked = list(masked) if masked is not None else [False] * len(successes)
-    if len(masked) != len(successes):
-        raise ValueError(f"{len(successes)} successes but {len(masked)} mask flags")
-    live = [bool(x) for x, m in zip(successes, masked) if not m]
+    live = [bool(x) for x in _live(successes, masked, "successes")]
     return bool(live) and all(live)
 
 
@@ -78,13 +87,7 @@ def solved_groups(solved: Sequence[Sequence[bool]], taken: Sequence[tuple[int, i
     batch), in round order."""
     if k < 0:
         raise ValueError(f"k must be >= 0, got {k}")
-    have = set(taken)
-    out: list[tuple[int, int]] = []
-    for r, flags in enumerate(solved):
-        for g, ok in enumerate(flags):
-            if ok and (r, g) not in have and len(out) < k:
-                out.append((r, g))
-    return out
+    return _take(solved, k, taken)
 
 
 def replay_advantages(advantages: Sequence[Sequence[float]], loss_masks: Sequence[Sequence[int]],

@@ -347,7 +347,7 @@ def rollout_batch(key: str, urls: list[str], global_step: int, turn_limit: int) 
         return trajs, m
 
     trajs, metrics = one_round(0)
-    replay_n, replay = s.cfg.algo.replay_solved, []
+    replay_n, replay, refilled = s.cfg.algo.replay_solved, [], False
     if r.dynamic_sampling_rounds:  # drop groups without reward variance, refill with fresh tasks (DAPO)
         rounds, flags = [trajs], [_variance_flags(trajs)]
         while sum(map(sum, flags)) < r.tasks_per_step and len(rounds) <= r.dynamic_sampling_rounds:
@@ -374,10 +374,10 @@ def rollout_batch(key: str, urls: list[str], global_step: int, turn_limit: int) 
                 for t in group:
                     t.group_id = new_gid
                 trajs += group
-            replay = list(range(len(kept), len(kept) + len(extra)))
+            replay, refilled = list(range(len(kept), len(kept) + len(extra))), True
         # no group with signal after the last round: the first round's groups, a step without signal (unless some
         # are solved and algo.replay_solved replays them, below)
-    if replay_n and not replay:  # without a refill: the batch's own solved groups
+    if replay_n and not refilled:  # no refill formed the batch: its own solved groups
         solved = [g for g, ok in zip(_by_group(trajs), _solved_flags(trajs)) if ok]
         replay = solved[:replay_n]
     if replay_n:
@@ -503,7 +503,7 @@ def compute_advantages(key: str, batch: Batch) -> Advantages:
         advantages = mask_truncated(advantages, [t.finish_reason for t in trajs])
         stats["truncated_masked"] = float(sum(is_truncated(t) and not t.masked for t in trajs))
         stats["episodes_with_signal"] = float(sum(1 for row in advantages if any(x != 0 for x in row)))
-    if a.replay_solved and getattr(batch, "replay_groups", None):  # solved groups: a gradient on their own actions
+    if a.replay_solved and batch.replay_groups:  # solved groups: a gradient on their own actions
         from core.levers import replay_advantages
 
         rep = set(batch.replay_groups)
