@@ -82,6 +82,10 @@ ARMS: dict[str, list[str]] = {
     # groups@10 with the expert's relabels (weight 1, decaying): the expert's reply at the first state each episode
     # left its path, where a policy that lost a task's order goes wrong (recipe and dagger kept more 2-3-turn tasks)
     "groups@10+expert": GROUPS + EXPERT + FIT + DYN + AT10,
+    # both retention levers at once, the relabels at 0.3 of that weight: the replay kept the gain, the relabels kept
+    # the 2-3-turn tasks (a policy that turns in place where the key and door are in view) but cost the long ones
+    "groups@10+replay+expert0.3": GROUPS + ["algo.expert_coef=0.3", "algo.expert_decay=linear"] + FIT + DYN
+    + ["algo.replay_solved=2"] + AT10,
     # the same for any env and preset: `groups` with all the preset's steps at its last phase's turn limit (on the
     # BabyAI multistep preset, groups@10; on TextCraft easy, 12 steps at 4 turns)
     "groups@last": GROUPS + FIT + DYN,
