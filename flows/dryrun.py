@@ -152,17 +152,20 @@ def _engine_plan(plan: Plan, cfg: RunConfig, m: ModelShape, r: RunShape, machine
     ro = cfg.rollout
     if ro.engines == 1 and not ro.engine_hosts:
         return
-    placed, errors = plan_engines(ro.engines, ro.tensor_parallel_size, local,
+    joined = [u.rstrip("/") for u in ro.engine_urls]  # serving already (scalinginter engine-host): not placed here
+    placed, errors = plan_engines(ro.engines - len(joined), ro.tensor_parallel_size, local,
                                   [parse_engine_host(h) for h in ro.engine_hosts])
     plan.errors += errors
     if not placed:
         return
     where = "; ".join(f"{p.engine}: {p.host} " + (f"GPUs {','.join(map(str, p.gpus))}" if p.gpus else
                                                    f"cores {p.cores}" if p.cores else "CPU") for p in placed)
+    where += "".join(f"; {len(placed) + k}: {u} (joined)" for k, u in enumerate(joined))
     sync = "memory" if ro.engine_sync == "auto" else ro.engine_sync
     kind = (f"{len(placed)} of {ro.tensor_parallel_size} GPU(s) each" if any(p.gpus for p in placed) else
-            f"{len(placed)} on CPUs")
-    plan.lines.append(f"rollout engines ({kind}; weights synced by {sync}): {where}")
+            f"{len(placed)} on CPUs") + (f" + {len(joined)} on other hosts" if joined else "")
+    plan.lines.append(f"rollout engines ({kind}; weights synced by {sync}"
+                      + (f", folder {ro.engine_sync_dir or '(temp)'} for the joined" if joined else "") + f"): {where}")
     here = sum(p.local for p in placed)
     if here > 1 and r.vllm:
         extra = (here - 1) * r.engine_bytes_per_elem * m.params

@@ -347,7 +347,7 @@ def rollout_batch(key: str, urls: list[str], global_step: int, turn_limit: int) 
         return trajs, m
 
     trajs, metrics = one_round(0)
-    replay_n, replay, refilled = s.cfg.algo.replay_solved, [], False
+    replay_n, replay = s.cfg.algo.replay_solved, []
     if r.dynamic_sampling_rounds:  # drop groups without reward variance, refill with fresh tasks (DAPO)
         rounds, flags = [trajs], [_variance_flags(trajs)]
         while sum(map(sum, flags)) < r.tasks_per_step and len(rounds) <= r.dynamic_sampling_rounds:
@@ -374,10 +374,10 @@ def rollout_batch(key: str, urls: list[str], global_step: int, turn_limit: int) 
                 for t in group:
                     t.group_id = new_gid
                 trajs += group
-            replay, refilled = list(range(len(kept), len(kept) + len(extra))), True
+            replay = list(range(len(kept), len(kept) + len(extra)))
         # no group with signal after the last round: the first round's groups, a step without signal (unless some
         # are solved and algo.replay_solved replays them, below)
-    if replay_n and not refilled:  # no refill formed the batch: its own solved groups
+    if replay_n and not replay:  # no solved group was dropped (or no refill ran): the batch's own solved groups
         solved = [g for g, ok in zip(_by_group(trajs), _solved_flags(trajs)) if ok]
         replay = solved[:replay_n]
     if replay_n:

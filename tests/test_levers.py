@@ -383,6 +383,31 @@ def test_replay_solved_keeps_the_solved_groups_the_refill_dropped(monkeypatch):
         assert [t.task_id for t in replayed] == [calls[0][2]] * 2 and all(t.success for t in replayed)
 
 
+def test_replay_solved_takes_the_batchs_own_solved_group_when_the_refill_dropped_none(monkeypatch):
+    """Dynamic sampling on, round 1's four groups all with reward variance (no refill round), group 0 solved by both
+    samples in different numbers of turns (rewards 1.0 and 0.9): no solved group was dropped, so the batch's own
+    solved group 0 is the one replayed (as the groups@10+replay arm ran; a refactor once left it out)."""
+    import tasks.steps as T
+    from core.config import RunConfig
+    from runtime.context import Runtime, Session
+
+    cfg = RunConfig.model_validate({"env": {"name": "toy"}, "algo": {"replay_solved": 2}, "rollout": {
+        "backend": "transformers", "tasks_per_step": 4, "samples_per_task": 2, "dynamic_sampling_rounds": 1}})
+    calls = []
+
+    def fake_rollout(s, urls, tasks, samples, limit, temp, max_new, label, seed=None, after_turn=None, expert=None):
+        calls.append(tasks)
+        return [_traj(task, g, float(r), "success" if r else "failure")
+                for g, (task, pair) in enumerate(zip(tasks, [(1, 0.9), (0, 1), (1, 0), (0, 1)])) for r in pair], {}
+
+    monkeypatch.setattr(T, "_rollout", fake_rollout)
+    with Runtime() as rt:
+        key = rt.add_session(Session(cfg=cfg))
+        b = T.rollout_batch.fn(key, [], 5, 2)
+    assert len(calls) == 1 and b.metrics["dyn/groups_kept"] == 4
+    assert b.replay_groups == [0] and b.metrics["replay_groups"] == 1.0
+
+
 def test_replayed_groups_get_the_coefficient_and_the_others_their_grpo_advantage():
     """Group 0 {1, 0} (GRPO without std: +0.5, -0.5), group 1 {1, 1} replayed at 0.3 (its GRPO advantage is 0), one of
     its samples masked (a crashed server: it stays at 0)."""

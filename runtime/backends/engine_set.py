@@ -78,15 +78,28 @@ def engine_pids(engine: VLLMBackend) -> list[int]:
 
 
 def engine_dead(engine: VLLMBackend) -> bool:
-    """Whether an engine is gone: closed, marked dead by vLLM's client, or its engine-core process exited."""
+    """Whether an engine is gone: closed, marked dead by vLLM's client, or its engine-core process exited (an engine
+    on another host: its server stopped answering)."""
     if engine._llm is None:
         return True
+    if getattr(engine, "remote", False):
+        return not engine.healthy()
     core = getattr(engine._llm.llm_engine, "engine_core", None)
     res = getattr(core, "resources", None)
     if res is not None and getattr(res, "engine_dead", False):
         return True
     procs = getattr(getattr(res, "engine_manager", None), "processes", None) or []
     return any(not p.is_alive() for p in procs)
+
+
+def engine_kv_tokens(engine: VLLMBackend, fallback: int) -> int:
+    """A local engine's KV cache in tokens as vLLM sized it (its blocks x block size, the measure a remote engine
+    publishes in its metrics), else ``fallback`` (the plan's bytes over the bytes per token)."""
+    try:
+        cc = engine._llm.llm_engine.vllm_config.cache_config
+        return int(cc.num_gpu_blocks) * int(cc.block_size) if cc.num_gpu_blocks else int(fallback)
+    except (AttributeError, TypeError):
+        return int(fallback)
 
 
 @contextmanager
@@ -106,7 +119,8 @@ class EngineSet:
 
     def __init__(self, engines: list[VLLMBackend], capacity_tokens: list[int], sync: str = "memory",
                  named_weights: Callable[[], Iterable[tuple[str, Any]]] | None = None,
-                 export_weights: Callable[[Path], None] | None = None, broadcast_device: Any = None):
+                 export_weights: Callable[[Path], None] | None = None, broadcast_device: Any = None,
+                 sync_dir: str | os.PathLike | None = None):
         if not engines or len(capacity_tokens) != len(engines):
             raise ValueError("one KV capacity per engine")
         if sync not in ("memory", "folder", "broadcast"):
@@ -124,6 +138,10 @@ class EngineSet:
         self.lock = threading.RLock()
         self.version = 0  # the weights every engine must hold (0: the folder they started from)
         self.broadcast_device = broadcast_device
+        self.sync_dir = str(sync_dir) if sync_dir else None  # where weight folders are written (None: temp folder)
+        if sync == "broadcast" and any(self.is_remote(i) for i in range(len(engines))):
+            raise ValueError("rollout.engine_sync=broadcast reaches engines on this machine only: engines on other "
+                             "hosts (rollout.engine_urls) reload a folder")
         self._broadcaster = None
         self._active: RoutedRequests | None = None
         e0 = engines[0]
@@ -135,7 +153,38 @@ class EngineSet:
         self.max_live_episodes: int | None = None
         self.sync_time_s, self.syncs, self.base_sha256, self.last_sync = 0.0, 0, None, {}
         self.start_time_s = sum(getattr(e, "start_time_s", 0.0) for e in engines)
-        self._set_versions(range(len(engines)), 0)
+        # an engine on another host holds whatever it last loaded: it gets the run's weights in join_remote
+        self._set_versions([i for i in range(len(engines)) if not self.is_remote(i)], 0)
+
+    def is_remote(self, i: int) -> bool:
+        return bool(getattr(self.engines[i], "remote", False))
+
+    def _folder(self) -> Path:
+        """A fresh folder for one weight load, in ``sync_dir`` (engines on other hosts read it there)."""
+        if self.sync_dir:
+            Path(self.sync_dir).mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix="vllm-sync-", dir=self.sync_dir))
+
+    def join_remote(self, model_dir: str | os.PathLike) -> list[int]:
+        """The engines on other hosts get the run's weights (version 0): each must read the sync folder (refused with
+        the fix otherwise), then the learner's weights are written there and loaded; with no learner, the model
+        folder itself, which those hosts must then read at the same path. Returns the engines joined."""
+        idx = [i for i in self.live_indices() if self.is_remote(i)]
+        if not idx:
+            return []
+        probe = self._folder()
+        try:
+            for i in idx:
+                self.engines[i].check_reads(probe)
+        finally:
+            shutil.rmtree(probe, ignore_errors=True)
+        if self.named_weights is not None or self.export_weights is not None:
+            self._load_learner(idx, 0)
+        else:
+            for i in idx:
+                self.engines[i].check_reads(model_dir)
+            self._load_dir(idx, model_dir, 0)
+        return idx
 
     # -- what the pool and the steps look at ----------------------------------------------------------------
     @property
@@ -277,8 +326,8 @@ class EngineSet:
             if self.is_dead(i):
                 out.append(None)
                 continue
-            try:
-                got = set(e._llm.collective_rpc("weight_version"))
+            try:  # an engine on another host answers in strings ("3", "None")
+                got = {None if v in (None, "None") else int(v) for v in e._llm.collective_rpc("weight_version")}
             except Exception as exc:  # noqa: BLE001 - an engine that cannot answer is dead to the rollout
                 if not self.is_dead(i):
                     raise
@@ -331,11 +380,26 @@ class EngineSet:
 
     def _load_entries(self, idx: list[int], entries, version: int) -> None:
         """``(name, shape, fetch)`` entries cast once into one shared-memory segment, loaded by every engine in
-        ``idx`` at once (the single engine's in-memory path, ``VLLMBackend._push_entries``, written once for all)."""
+        ``idx`` at once (the single engine's in-memory path, ``VLLMBackend._push_entries``, written once for all);
+        engines on other hosts get them as a safetensors folder in ``sync_dir``."""
         import torch
         from multiprocessing import shared_memory
 
         dt = getattr(torch, self.dtype)
+        remote = [i for i in idx if self.is_remote(i)]
+        if remote:
+            from safetensors.torch import save_file
+
+            folder = self._folder()
+            try:
+                save_file({n: fetch().to(dt).contiguous() for n, _, fetch in entries},
+                          str(folder / "model.safetensors"))
+                self._load_dir(remote, folder, version)
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+            idx = [i for i in idx if not self.is_remote(i)]
+            if not idx:
+                return
         esize = torch.empty((), dtype=dt).element_size()
         layout, off = [], 0
         for n, shape, _ in entries:
@@ -422,7 +486,7 @@ class EngineSet:
         elif self.named_weights is not None and self.sync_mode == "broadcast":
             self._load_broadcast(idx, list(self.named_weights()), v)
         elif self.export_weights is not None:
-            tmp = Path(tempfile.mkdtemp(prefix="vllm-sync-"))
+            tmp = self._folder()
             try:
                 self.export_weights(tmp)
                 self._load_dir(idx, tmp, v)
@@ -554,6 +618,12 @@ class _EngineThread:
             self.out.put(("dead", self.i, e))
 
 
+def _requests(engine) -> Any:
+    """An engine's request-level interface: ``VLLMRequests`` on a local engine (woken already), ``RemoteRequests`` on
+    one on another host."""
+    return engine.request_engine() if getattr(engine, "remote", False) else VLLMRequests(engine)
+
+
 class RoutedRequests:
     """``StepEngine`` over an ``EngineSet``: ``add`` routes the request (``EngineSet.route``) to its engine's thread,
     ``step`` returns what any engine finished (waiting a little for it), and sends the turns of an engine that died
@@ -564,7 +634,7 @@ class RoutedRequests:
     def __init__(self, es: EngineSet):
         self.es = es
         self.out: queue.Queue = queue.Queue()
-        self.threads = {i: _EngineThread(i, VLLMRequests(es.engines[i]), self.out) for i in es.live_indices()}
+        self.threads = {i: _EngineThread(i, _requests(es.engines[i]), self.out) for i in es.live_indices()}
         self.pending: dict[str, tuple[int, list[int], SamplingParams, int]] = {}
 
     def add(self, key: str, prompt: list[int], params: SamplingParams) -> None:
@@ -665,7 +735,8 @@ def start_engine_set(cfg, model_dir: str, tokenizer, learner, dtype: str, plan) 
         # NCCL takes one rank per GPU: the engines get this machine's GPUs other than the learner's
         skip = device.index or 0
         here = EngineHost(here.name, max(0, here.gpus - 1), here.cores)
-    layout, errors = plan_engines(r.engines, r.tensor_parallel_size, here, engine_hosts(cfg))
+    urls = [u.rstrip("/") for u in r.engine_urls]  # engines serving on other hosts, joined below
+    layout, errors = plan_engines(r.engines - len(urls), r.tensor_parallel_size, here, engine_hosts(cfg))
     if errors:
         raise ValueError(errors[0])
     remote = [p for p in layout if not p.local]
@@ -691,14 +762,27 @@ def start_engine_set(cfg, model_dir: str, tokenizer, learner, dtype: str, plan) 
                     tensor_parallel_size=r.tensor_parallel_size, sleep_mode=sleep_mode_for(cfg),
                     release_kv=release_kv_for(cfg), release_weights=release_weights_for(cfg), in_process=False,
                     cpu_cores=p.cores))
+        per_token = model_kv_bytes_per_token(model_dir, dtype)
+        capacity = [engine_kv_tokens(e, plan.cache_bytes // per_token) for e in engines]
+        for u in urls:
+            from runtime.backends.remote_engine import RemoteEngine
+
+            e = RemoteEngine(u, tokenizer.eos_token_id, dtype=engines[0].dtype if engines else dtype)
+            engines.append(e)
+            if e.max_model_len < r.token_budget + 1:
+                raise ValueError(f"the rollout engine at {u} takes {e.max_model_len} tokens per sequence, the run's "
+                                 f"episodes up to {r.token_budget + 1} (rollout.token_budget + 1): start it with "
+                                 f"`scalinginter engine-host --max-model-len {r.token_budget + 1}`")
+            capacity.append(e.kv_tokens or capacity[0])
+        es = EngineSet(engines, capacity, sync, named_weights_fn(learner), export_fn(learner), device,
+                       sync_dir=r.engine_sync_dir or None)
+        es.join_remote(model_dir)
     except BaseException:
         for e in engines:
             e.close()
         raise
-    per_token = model_kv_bytes_per_token(model_dir, dtype)
-    es = EngineSet(engines, [plan.cache_bytes // per_token] * len(engines), sync,
-                   named_weights_fn(learner), export_fn(learner), device)
     where = ", ".join(f"cores {p.cores}" if p.cores else f"GPUs {','.join(map(str, p.gpus))}" for p in layout)
+    where += "".join(f", {u}" for u in urls)
     print(f"vLLM: {len(engines)} rollout engines ({where}), each with a {plan.cache_bytes / GiB:.2f} GiB KV cache for "
           f"{plan.episodes} episodes; weights synced by {sync}; started in {es.start_time_s:.1f} s", flush=True)
     if plan.capped and cpu:

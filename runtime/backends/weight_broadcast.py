@@ -32,6 +32,13 @@ class EngineWeightsWorker:
     def weight_version(self) -> int | None:
         return getattr(self, "_weight_version", None)
 
+    def sees_path(self, path: str) -> bool:
+        """Whether this worker's host sees ``path`` (an engine on another host must read the folder the learner
+        writes its weights into: ``remote_engine.RemoteEngine.check_reads``)."""
+        import os
+
+        return os.path.exists(str(path))
+
     def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int) -> int:
         """Join the learner's weight-broadcast group as rank ``rank_offset`` + this worker's rank in its engine.
         Blocks until every member joined. Returns the rank taken."""
