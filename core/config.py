@@ -236,8 +236,10 @@ class RolloutConfig(_Strict):
     engine_sync_dir: str = Field(
         "", description="Where the learner writes the weight folder engines reload after an update (every engine "
                         "with engine_sync=folder; the engines at engine_urls always): with engine_urls, a folder each "
-                        "engine host mounts at the same path (checked at the start: a host that cannot read it is "
-                        "refused). Empty: the system's temp folder (engines on this machine only).")
+                        "engine host mounts at the same path, or an s3://bucket/prefix URI the hosts reach with their "
+                        "own AWS settings (each load stored there, checked by sha256 on download, then deleted); "
+                        "checked at the start: a host that cannot read it is refused. Empty: the system's temp folder "
+                        "(engines on this machine only).")
     engine_sync: Literal["auto", "memory", "folder", "broadcast"] = Field(
         "auto", description="How engines get the learner's weights after each update when rollout.engines > 1: "
                             "memory (written once into shared memory on this machine; every engine loads from it), "
@@ -653,6 +655,10 @@ class RunConfig(_Strict):
             if r.engine_hosts:
                 raise ValueError("rollout.engine_hosts plans engines the run would start on other hosts, "
                                  "rollout.engine_urls joins engines already serving there: name the hosts one way")
+        if r.engine_sync_dir.startswith("s3://") and not r.engine_urls:
+            raise ValueError("rollout.engine_sync_dir=s3://... hands weights to engines on other hosts "
+                             "(rollout.engine_urls); engines on this machine load a local folder: drop it or add "
+                             "rollout.engine_urls")
         if r.engine_sync_dir and not r.engine_urls and r.engine_sync != "folder":
             raise ValueError("rollout.engine_sync_dir is where the folder sync writes (engine_sync=folder, or "
                              "engine_urls): set rollout.engine_sync=folder or drop it")

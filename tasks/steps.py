@@ -158,7 +158,12 @@ def open_session(cfg: RunConfig, model_dir: str, train: bool, reference_dir: str
     pad = s.tokenizer.pad_token_id if s.tokenizer.pad_token_id is not None else s.tokenizer.eos_token_id
     s.chat = ChatFormat.from_tokenizer(s.tokenizer, cfg.env.prompt)
     if cfg.rollout.backend == "vllm":  # the process's kept engine (this session's weights loaded) or a new one
-        s.backend = rt.engines.backend_for(cfg, model_dir, s.tokenizer, s.learner)
+        store = None
+        if cfg.rollout.engine_sync_dir.startswith("s3://"):  # engines on other hosts get the weights through S3
+            from storage.engine_weights import StoreHandover
+
+            store = StoreHandover()
+        s.backend = rt.engines.backend_for(cfg, model_dir, s.tokenizer, s.learner, weight_store=store)
     else:
         s.backend = TransformersBackend(s.model, s.tokenizer.eos_token_id, pad, cfg.rollout.gen_batch_size,
                                         resolve_bf16(cfg.model.bf16_autocast))

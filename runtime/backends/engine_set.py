@@ -41,6 +41,7 @@ import shutil
 import tempfile
 import threading
 import time
+import uuid
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -120,7 +121,7 @@ class EngineSet:
     def __init__(self, engines: list[VLLMBackend], capacity_tokens: list[int], sync: str = "memory",
                  named_weights: Callable[[], Iterable[tuple[str, Any]]] | None = None,
                  export_weights: Callable[[Path], None] | None = None, broadcast_device: Any = None,
-                 sync_dir: str | os.PathLike | None = None):
+                 sync_dir: str | os.PathLike | None = None, weight_store: Any = None):
         if not engines or len(capacity_tokens) != len(engines):
             raise ValueError("one KV capacity per engine")
         if sync not in ("memory", "folder", "broadcast"):
@@ -139,6 +140,10 @@ class EngineSet:
         self.version = 0  # the weights every engine must hold (0: the folder they started from)
         self.broadcast_device = broadcast_device
         self.sync_dir = str(sync_dir) if sync_dir else None  # where weight folders are written (None: temp folder)
+        # an s3:// sync_dir: put(folder, base_uri) -> uri / delete(uri) (storage.engine_weights.StoreHandover)
+        self.weight_store = weight_store
+        if self._s3 and weight_store is None:
+            raise ValueError("an s3:// engine sync dir needs a weight store (storage.engine_weights.StoreHandover)")
         if sync == "broadcast" and any(self.is_remote(i) for i in range(len(engines))):
             raise ValueError("rollout.engine_sync=broadcast reaches engines on this machine only: engines on other "
                              "hosts (rollout.engine_urls) reload a folder")
@@ -159,30 +164,65 @@ class EngineSet:
     def is_remote(self, i: int) -> bool:
         return bool(getattr(self.engines[i], "remote", False))
 
+    @property
+    def _s3(self) -> bool:
+        return bool(self.sync_dir) and self.sync_dir.startswith("s3://")
+
     def _folder(self) -> Path:
-        """A fresh folder for one weight load, in ``sync_dir`` (engines on other hosts read it there)."""
-        if self.sync_dir:
-            Path(self.sync_dir).mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix="vllm-sync-", dir=self.sync_dir))
+        """A fresh folder for one weight load: in ``sync_dir`` when it is a shared folder (engines on other hosts
+        read it there), else in the temp folder (with an ``s3://`` sync_dir it is uploaded from there)."""
+        local = self.sync_dir if self.sync_dir and not self._s3 else None
+        if local:
+            Path(local).mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix="vllm-sync-", dir=local))
+
+    @contextmanager
+    def _remote_source(self, folder: str | os.PathLike) -> Iterator[str]:
+        """Where the engines on other hosts load ``folder`` from: with an ``s3://`` sync_dir, the folder stored there
+        (uploaded once, checked by its manifest on download, deleted afterwards); else the folder itself when it lies
+        in the shared sync_dir, or a copy made there."""
+        if self._s3:
+            uri = self.weight_store.put(folder, self.sync_dir)
+            try:
+                yield uri
+            finally:
+                self.weight_store.delete(uri)
+            return
+        path = Path(folder).resolve()
+        shared = Path(self.sync_dir).resolve() if self.sync_dir else Path(tempfile.gettempdir()).resolve()
+        if shared in path.parents:
+            yield str(path)
+            return
+        copy = self._folder()
+        try:
+            for f in path.iterdir():
+                if f.is_file():
+                    shutil.copy2(f, copy / f.name)
+            yield str(copy)
+        finally:
+            shutil.rmtree(copy, ignore_errors=True)
 
     def join_remote(self, model_dir: str | os.PathLike) -> list[int]:
-        """The engines on other hosts get the run's weights (version 0): each must read the sync folder (refused with
-        the fix otherwise), then the learner's weights are written there and loaded; with no learner, the model
-        folder itself, which those hosts must then read at the same path. Returns the engines joined."""
+        """The engines on other hosts get the run's weights (version 0): each must read what the run writes into
+        ``sync_dir`` (a probe written there; refused with the fix otherwise), then the learner's weights (with no
+        learner, the model folder's) are handed over the way every later sync hands them. Returns the engines
+        joined."""
         idx = [i for i in self.live_indices() if self.is_remote(i)]
         if not idx:
             return []
         probe = self._folder()
+        (probe / "probe.txt").write_text("engine host probe\n")
+        uri = self.weight_store.put(probe, self.sync_dir, f"probe-{uuid.uuid4().hex[:12]}") if self._s3 else None
         try:
             for i in idx:
-                self.engines[i].check_reads(probe)
+                self.engines[i].check_reads(uri or str(probe / "probe.txt"), self.sync_dir)
         finally:
             shutil.rmtree(probe, ignore_errors=True)
+            if uri:
+                self.weight_store.delete(uri)
         if self.named_weights is not None or self.export_weights is not None:
             self._load_learner(idx, 0)
         else:
-            for i in idx:
-                self.engines[i].check_reads(model_dir)
             self._load_dir(idx, model_dir, 0)
         return idx
 
@@ -432,12 +472,17 @@ class EngineSet:
             shm.unlink()
 
     def _load_dir(self, idx: list[int], folder: str | os.PathLike, version: int) -> None:
-        """Every engine in ``idx`` reloads an HF folder (vLLM's ``reload_weights`` from the path) at once."""
-        def load(i: int) -> None:
-            self.engines[i].load_weights(folder)
-            self.engines[i]._llm.collective_rpc("set_weight_version", args=(version,))
+        """Every engine in ``idx`` reloads an HF folder (vLLM's ``reload_weights`` from the path) at once; engines on
+        other hosts from where ``_remote_source`` puts it."""
+        remote = [i for i in idx if self.is_remote(i)]
+        with ExitStack() as stack:
+            source = stack.enter_context(self._remote_source(folder)) if remote else None
 
-        self._each(idx, load)
+            def load(i: int) -> None:
+                self.engines[i].load_weights(source if self.is_remote(i) else folder)
+                self.engines[i]._llm.collective_rpc("set_weight_version", args=(version,))
+
+            self._each(idx, load)
 
     def _load_broadcast(self, idx: list[int], named: list[tuple[str, Any]], version: int) -> None:
         """The learner broadcasts to every engine worker (``weight_broadcast``); the group is made at the first
@@ -715,7 +760,7 @@ def engine_hosts(cfg) -> list[EngineHost]:
     return [parse_engine_host(h) for h in cfg.rollout.engine_hosts]
 
 
-def start_engine_set(cfg, model_dir: str, tokenizer, learner, dtype: str, plan) -> EngineSet:
+def start_engine_set(cfg, model_dir: str, tokenizer, learner, dtype: str, plan, weight_store: Any = None) -> EngineSet:
     """The run's ``rollout.engines`` engines on this machine (``core.engines.plan_engines``: their cores or GPUs),
     each with ``plan``'s KV cache (sized for its share of the batch), started one after another (each start reads
     its binding from the environment), every one at weight version 0 (the folder's weights)."""
@@ -775,7 +820,7 @@ def start_engine_set(cfg, model_dir: str, tokenizer, learner, dtype: str, plan) 
                                  f"`scalinginter engine-host --max-model-len {r.token_budget + 1}`")
             capacity.append(e.kv_tokens or capacity[0])
         es = EngineSet(engines, capacity, sync, named_weights_fn(learner), export_fn(learner), device,
-                       sync_dir=r.engine_sync_dir or None)
+                       sync_dir=r.engine_sync_dir or None, weight_store=weight_store)
         es.join_remote(model_dir)
     except BaseException:
         for e in engines:

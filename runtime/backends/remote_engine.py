@@ -5,7 +5,8 @@ The server is vLLM's own (``vllm.entrypoints.openai.api_server``) with three of 
 ``--enable-scale-out`` (its token-in / token-out route, ``POST /inference/v1/generate``: the prompt's token ids in,
 the sampled token ids and their log-probs out, so no text is re-tokenized), the dev-mode routes
 (``VLLM_SERVER_DEV_MODE=1``: ``/collective_rpc`` into the run's worker extension, ``/reset_prefix_cache``) and
-``--worker-extension-cls`` naming the same ``WorkerExtension`` the local engines have. So a remote engine answers the
+``--worker-extension-cls`` naming the local engines' ``WorkerExtension`` with the S3 hand-over added
+(``storage.engine_weights.StoreWorkerExtension``). So a remote engine answers the
 calls ``EngineSet`` makes on a local one: ``generate`` (one HTTP request per prompt, sent at once), the
 request-level interface for per-episode rollouts (``RemoteRequests``: each request its own HTTP call in a thread;
 ``abort`` through ``/inference/v1/abort_requests``), ``prompt_logprobs``, its weight version (``collective_rpc``),
@@ -13,7 +14,8 @@ and a weight load from a folder (vLLM's ``reload_weights`` from a path, as ``VLL
 
 What does not cross the network: shared memory and NCCL from this process. A remote engine's weights come from a
 folder the learner writes (``rollout.engine_sync_dir``), which the engine host must read at the same path (a shared
-mount; on one machine, any folder); ``check_reads`` asks the engine's worker whether it sees a file the run just
+mount; on one machine, any folder), or from an ``s3://`` URI where the run stores the folder and the host's worker
+downloads it (checked by sha256); ``check_reads`` asks the engine's worker whether it sees a probe the run just
 wrote there, before the first load, and refuses with the fix when it does not.
 
 Liveness: ``healthy`` is the server's ``/health`` (cached for a second: ``EngineSet`` asks often). An engine whose
@@ -146,7 +148,7 @@ def engine_host_command(python: str, model: str, *, host: str = "0.0.0.0", port:
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host, "--port", str(port),
            "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", str(seed),
            "--logprobs-mode", "processed_logprobs", "--enable-prefix-caching",
-           "--worker-extension-cls", "runtime.backends.vllm_backend.WorkerExtension", "--enable-scale-out"]
+           "--worker-extension-cls", "storage.engine_weights.StoreWorkerExtension", "--enable-scale-out"]
     if enforce_eager:
         cmd.append("--enforce-eager")
     if cpu:
@@ -227,7 +229,7 @@ class RemoteEngine:
             self.close()
             raise RemoteEngineError(f"rollout engine at {self.url} refused a call into the run's worker extension "
                                     f"({e}): start it with `scalinginter engine-host` (VLLM_SERVER_DEV_MODE=1, "
-                                    "--worker-extension-cls runtime.backends.vllm_backend.WorkerExtension)") from e
+                                    "--worker-extension-cls storage.engine_weights.StoreWorkerExtension)") from e
         self.start_time_s = time.time() - t0
         self.lora_request = None
 
@@ -304,26 +306,30 @@ class RemoteEngine:
         return list(self.pool.map(one, seqs))
 
     # -- weights ------------------------------------------------------------------------------------------
-    def check_reads(self, folder: str | os.PathLike) -> None:
-        """Refuse a sync folder the engine host cannot read: the run writes a marker file there and asks the
-        engine's worker whether it sees it."""
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        marker = folder / f".engine-probe-{uuid.uuid4().hex[:12]}"
-        marker.write_text(self.url)
-        try:
-            seen = self._llm.collective_rpc("sees_path", args=(str(marker),))
-        finally:
-            marker.unlink(missing_ok=True)
-        if not seen or not all(str(x).lower() == "true" for x in seen):
-            raise RemoteEngineError(f"the rollout engine at {self.url} cannot read {folder}, where the learner writes "
-                                    "the weights it loads after each update: set rollout.engine_sync_dir to a folder "
-                                    "the engine host mounts at the same path")
+    def check_reads(self, probe: str, sync_dir: str | None) -> None:
+        """Refuse a sync folder the engine host cannot read: ``probe`` is what the run just wrote into it (a file, or
+        with an ``s3://`` sync_dir a stored folder); the engine's worker is asked whether it sees it."""
+        seen = self._llm.collective_rpc("sees_path", args=(str(probe),))
+        if seen and all(str(x).lower() == "true" for x in seen):
+            return
+        if str(probe).startswith("s3://"):
+            raise RemoteEngineError(f"the rollout engine at {self.url} cannot read {sync_dir}, where the learner "
+                                    "stores the weights it loads after each update: give the engine host the "
+                                    "bucket's AWS settings (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...) before "
+                                    "`scalinginter engine-host`")
+        raise RemoteEngineError(f"the rollout engine at {self.url} cannot read {sync_dir or Path(probe).parent}, where "
+                                "the learner writes the weights it loads after each update: set "
+                                "rollout.engine_sync_dir to a folder the engine host mounts at the same path, or to "
+                                "an s3:// URI both reach")
 
     def load_weights(self, weights_path: str | os.PathLike) -> float:
-        """Reload the remote engine's weights in place from an HF folder it can read (vLLM's ``reload_weights``)."""
+        """Reload the remote engine's weights in place from an HF folder it can read (vLLM's ``reload_weights``), or
+        from one stored at an ``s3://`` URI (downloaded and checked by the worker)."""
         t0 = time.time()
-        self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(weights_path)})
+        if str(weights_path).startswith("s3://"):
+            self._llm.collective_rpc("reload_from_store", args=(str(weights_path),))
+        else:
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(weights_path)})
         self._llm.collective_rpc("refresh_cpu_heads")
         self._llm.reset_prefix_cache()
         return time.time() - t0

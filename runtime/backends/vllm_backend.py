@@ -1204,10 +1204,12 @@ class EnginePool:
                 return
         backend.close()
 
-    def backend_for(self, cfg, model_dir: str, tokenizer, learner=None) -> VLLMBackend:
+    def backend_for(self, cfg, model_dir: str, tokenizer, learner=None, weight_store=None) -> VLLMBackend:
         """The session's engine for a ``RunConfig`` (``cfg.rollout`` / ``cfg.model``), its KV cache sized from the
         batch: the kept engine when its settings match (the session's weights loaded into it), else a new one (a
-        kept engine with other settings is shut down first)."""
+        kept engine with other settings is shut down first). ``weight_store``: how weights reach engines on other
+        hosts through an ``s3://`` ``rollout.engine_sync_dir`` (``storage.engine_weights.StoreHandover``)."""
+        self.weight_store = weight_store
         r = cfg.rollout
         dtype = resolve_vllm_dtype(r.vllm_dtype)
         lora = lora_serving(cfg, model_dir, learner)
@@ -1255,7 +1257,8 @@ class EnginePool:
         if cfg.rollout.engines > 1:  # several data-parallel engines behind one backend (runtime.backends.engine_set)
             from runtime.backends.engine_set import start_engine_set
 
-            engine = start_engine_set(cfg, model_dir, tokenizer, learner, dtype, plan)
+            engine = start_engine_set(cfg, model_dir, tokenizer, learner, dtype, plan,
+                                      getattr(self, "weight_store", None))
             self.starts += 1
             return engine
         engine = _start_engine(cfg, model_dir, tokenizer, learner, dtype, plan, lora)

@@ -33,8 +33,9 @@ class EngineWeightsWorker:
         return getattr(self, "_weight_version", None)
 
     def sees_path(self, path: str) -> bool:
-        """Whether this worker's host sees ``path`` (an engine on another host must read the folder the learner
-        writes its weights into: ``remote_engine.RemoteEngine.check_reads``)."""
+        """Whether this worker's host sees the local ``path`` (an engine on another host must read the folder the
+        learner writes its weights into: ``remote_engine.RemoteEngine.check_reads``; an ``s3://`` one:
+        ``storage.engine_weights.StoreWorkerExtension``)."""
         import os
 
         return os.path.exists(str(path))
