@@ -144,6 +144,104 @@ def test_engine_urls_config_checks():
         _cfg("rollout.engines=2", 'rollout.engine_urls=["http://b:1"]', backend="transformers")
 
 
+class _FakeLLM:
+    def __init__(self, log):
+        self.log = log
+
+    def collective_rpc(self, method, args=(), kwargs=None, timeout=None):
+        self.log.append((method, args))
+        return [None]
+
+    def reset_prefix_cache(self):
+        return None
+
+
+class _FakeEngine:
+    """Stands in for a local engine or an engine host in the set's hand-over logic (no vLLM, no HTTP): it records
+    what it was asked to load and what each load's folder held at that moment."""
+
+    eos_token_id, max_model_len, dtype, start_time_s, asleep = 2, 100, "bfloat16", 0.0, False
+
+    def __init__(self, remote):
+        self.remote, self.rpc, self.loaded, self.probes = remote, [], [], []
+        self._llm = _FakeLLM(self.rpc)
+
+    def healthy(self):
+        return True
+
+    def load_weights(self, path):
+        p = Path(str(path))
+        self.loaded.append((str(path), sorted(x.name for x in p.iterdir()) if p.is_dir() else None))
+
+    def check_reads(self, probe, sync_dir):
+        self.probes.append((probe, sync_dir, Path(probe).exists() if not probe.startswith("s3://") else None))
+
+    def _wake_for_load(self):
+        return None
+
+    def wake(self, tags=None):
+        return None
+
+
+class _FakeStore:
+    def __init__(self):
+        self.put_calls, self.deleted = [], []
+
+    def put(self, folder, base_uri, name=None):
+        uri = f"{base_uri}/{name or 'weights-1'}"
+        self.put_calls.append((sorted(x.name for x in Path(folder).iterdir()), uri))
+        return uri
+
+    def delete(self, uri):
+        self.deleted.append(uri)
+
+
+def test_engine_set_hands_a_folder_to_remote_engines_through_the_shared_dir(tmp_path):
+    """A folder outside the shared sync dir is copied into it for the remote engine (the local one loads it where it
+    is), the copy removed after the load; the join's probe is a file written into the shared dir."""
+    from runtime.backends.engine_set import EngineSet
+
+    local, remote = _FakeEngine(False), _FakeEngine(True)
+    shared = tmp_path / "shared"
+    es = EngineSet([local, remote], [100, 100], "folder", sync_dir=shared)
+    assert [m for m, _ in local.rpc] == ["set_weight_version"] and remote.rpc == []  # the remote waits for its join
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"w")
+    (model / "config.json").write_text("{}")
+    es.join_remote(model)
+    probe, where, existed = remote.probes[0]
+    assert Path(probe).parent.parent == shared and where == str(shared) and existed
+    assert local.loaded == [] and len(remote.loaded) == 1
+    path, names = remote.loaded[0]
+    assert Path(path).parent == shared and names == ["config.json", "model.safetensors"]
+    assert ("set_weight_version", (0,)) in remote.rpc
+    assert list(shared.iterdir()) == [], "the probe and the copy are removed"
+    es._load_dir([0, 1], model, 3)
+    assert local.loaded[-1] == (str(model), ["config.json", "model.safetensors"])
+    assert Path(remote.loaded[-1][0]).parent == shared and list(shared.iterdir()) == []
+
+
+def test_engine_set_hands_a_folder_to_remote_engines_through_s3(tmp_path):
+    """With an s3:// sync dir the folder is stored once (the store's put), the remote engine loads the URI, the
+    stored folder is deleted after; the join's probe is stored and deleted too. No store: refused."""
+    from runtime.backends.engine_set import EngineSet
+
+    local, remote = _FakeEngine(False), _FakeEngine(True)
+    with pytest.raises(ValueError, match="weight store"):
+        EngineSet([local, remote], [100, 100], "memory", sync_dir="s3://b/p")
+    store = _FakeStore()
+    es = EngineSet([local, remote], [100, 100], "memory", sync_dir="s3://b/p", weight_store=store)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"w")
+    es.join_remote(model)
+    assert remote.probes[0][0].startswith("s3://b/p/probe-") and store.put_calls[0][0] == ["probe.txt"]
+    assert remote.loaded == [("s3://b/p/weights-1", None)] and store.put_calls[1] == (["model.safetensors"],
+                                                                                      "s3://b/p/weights-1")
+    assert store.deleted == [store.put_calls[0][1], "s3://b/p/weights-1"]
+
+
 def test_engine_urls_are_where_an_engine_runs_not_what_is_trained():
     from core.fingerprint import OPERATIONAL_KEYS
 
