@@ -278,3 +278,14 @@ class TransformersBackend:
             else:
                 gens.append(Generation(toks, lps, "length"))
         return gens
+
+
+def check_prompts(prompts: list[list[int]], params: SamplingParams, max_model_len: int, engine: str, fix: str) -> None:
+    """Refuse an empty prompt, or one whose prompt + max new tokens exceeds ``max_model_len`` (``engine`` names the
+    engine in the message, ``fix`` says what to raise)."""
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("empty prompt")
+    too_long = [len(p) for p in prompts if len(p) + params.max_new_tokens > max_model_len]
+    if too_long:
+        raise ValueError(f"prompt of {max(too_long)} tokens + {params.max_new_tokens} new tokens exceeds the "
+                         f"{engine}'s max_model_len {max_model_len}: {fix}")

@@ -39,7 +39,7 @@ from typing import Any
 
 import httpx
 
-from runtime.backends.generation import Generation, SamplingParams
+from runtime.backends.generation import Generation, SamplingParams, check_prompts
 
 GENERATE = "/inference/v1/generate"
 ABORT = "/inference/v1/abort_requests"
@@ -266,13 +266,8 @@ class RemoteEngine:
 
     # -- generation ---------------------------------------------------------------------------------------
     def _check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("empty prompt")
-        too_long = [len(p) for p in prompts if len(p) + params.max_new_tokens > self.max_model_len]
-        if too_long:
-            raise ValueError(f"prompt of {max(too_long)} tokens + {params.max_new_tokens} new tokens exceeds the "
-                             f"remote engine's max_model_len {self.max_model_len} ({self.url}): start it with a larger "
-                             "--max-model-len")
+        check_prompts(prompts, params, self.max_model_len, f"remote engine ({self.url})",
+                      "start it with a larger --max-model-len")
 
     def generate_one(self, prompt: list[int], params: SamplingParams, seed: int | None = None,
                      request_id: str | None = None) -> Generation:

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from runtime.backends.generation import Generation, SamplingParams
+from runtime.backends.generation import Generation, SamplingParams, check_prompts
 from runtime.backends.hardware import resolve_vllm_dtype
 from runtime.backends.weight_broadcast import EngineWeightsWorker
 from runtime.console import restore_env
@@ -536,19 +536,12 @@ class VLLMBackend:
     def _sampling(self, params: SamplingParams, seed: int | None = None):
         from vllm import SamplingParams as VSP
 
-        greedy = params.temperature <= 0
-        return VSP(n=1, max_tokens=params.max_new_tokens, temperature=0.0 if greedy else params.temperature,
-                   top_p=1.0 if greedy else params.top_p, top_k=0, logprobs=0,
-                   stop_token_ids=[self.eos_token_id], ignore_eos=False, skip_special_tokens=False,
-                   detokenize=False, seed=None if greedy else seed)
+        from runtime.backends.remote_engine import sampling_payload  # the same settings an engine host gets
+
+        return VSP(**sampling_payload(params, self.eos_token_id, seed))
 
     def _check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("empty prompt")
-        too_long = [len(p) for p in prompts if len(p) + params.max_new_tokens > self.max_model_len]
-        if too_long:
-            raise ValueError(f"prompt of {max(too_long)} tokens + {params.max_new_tokens} new tokens exceeds the "
-                             f"engine's max_model_len {self.max_model_len}: raise rollout.vllm_max_model_len")
+        check_prompts(prompts, params, self.max_model_len, "engine", "raise rollout.vllm_max_model_len")
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         if not prompts:
