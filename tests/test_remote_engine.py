@@ -21,7 +21,6 @@ fast tier's checks here and the two-engine loopback tests (tests/test_engine_set
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import json
 import os
@@ -36,7 +35,8 @@ import pytest
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 ROOT = Path(__file__).resolve().parents[1]
-LONG_WAITS = {"VLLM_ENGINE_READY_TIMEOUT_S": "3600", "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "3600"}
+
+from tests.test_engine_set import LONG_WAITS, _capacity, _dtype, _rollout, _tokens  # noqa: E402 - the same rollouts
 
 
 # -- pure parts ------------------------------------------------------------------------------------------------
@@ -278,10 +278,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _dtype() -> str:
-    from runtime.backends.hardware import native_bf16
 
-    return "bfloat16" if native_bf16() else "float32"
+
+def _s3(env):
+    import boto3
+
+    return boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",
+                        aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"])
 
 
 @pytest.fixture(scope="module")
@@ -296,10 +299,7 @@ def s3_env(tmp_path_factory):
     env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing-secret-value",
            "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://{host}:{port}",
            "AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": none, "AWS_SHARED_CREDENTIALS_FILE": none}
-    import boto3
-
-    boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1", aws_access_key_id="testing",
-                 aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"]).create_bucket(Bucket="sync")
+    _s3(env).create_bucket(Bucket="sync")
     yield env
     server.stop()
 
@@ -355,29 +355,10 @@ def host_and_local(toy_policy, s3_env):
         restore_env(saved)
 
 
-def _capacity(toy_policy, engine) -> int:
-    from runtime.backends.vllm_backend import model_kv_bytes_per_token
-
-    return int(0.02 * 2**30) // model_kv_bytes_per_token(str(toy_policy), engine.dtype)
 
 
-def _rollout(backend, tok, n: int, async_episodes: bool, temperature: float = 0.0, turn_limit: int = 3,
-             make=None, max_new_tokens: int = 12):
-    from core.chat import ChatFormat
-    from envs.sessions import LocalEpisode
-    from envs.toy import ToyEnv
-    from runtime.backends.generation import SamplingParams
-    from runtime.rollout import RolloutRequest, RolloutRuntime, rollout
-
-    req = RolloutRequest.for_tasks(list(range(n // 2)), 2, turn_limit, SamplingParams(max_new_tokens, temperature),
-                                   512, seed=0)
-    rt = RolloutRuntime(backend, ChatFormat.from_tokenizer(tok), make or (lambda i: LocalEpisode(ToyEnv())),
-                        async_episodes=async_episodes)
-    return asyncio.run(rollout(req, rt))
 
 
-def _tokens(trajs):
-    return [(t.token_ids, t.finish_reason) for t in trajs]
 
 
 def _joined(local, url, tok, toy_policy, sync_dir, **kw):
@@ -463,7 +444,6 @@ def test_weights_reach_the_remote_engine_through_s3(host_and_local, toy_policy, 
     """``rollout.engine_sync_dir=s3://...``: hosts without a shared mount. The learner's folder is stored under the
     URI (manifest last), the host's worker downloads it, checks every file's sha256 and reloads; the stored folder is
     deleted after the load."""
-    import boto3
     import torch
 
     from runtime.backends.learner import LearnerConfig, TorchLearner
@@ -494,8 +474,7 @@ def test_weights_reach_the_remote_engine_through_s3(host_and_local, toy_policy, 
           f"mean {sum(d) / len(d):.2e}")
     assert between < 1e-4
     assert max(d) < (0.25 if _dtype() == "bfloat16" else 1e-3)
-    s3 = boto3.client("s3", endpoint_url=s3_env["AWS_ENDPOINT_URL"], region_name="us-east-1",
-                      aws_access_key_id="testing", aws_secret_access_key=s3_env["AWS_SECRET_ACCESS_KEY"])
+    s3 = _s3(s3_env)
     assert s3.list_objects_v2(Bucket="sync", Prefix="run-a/").get("KeyCount", 0) == 0, "stored weights deleted"
 
 
@@ -522,8 +501,6 @@ def test_toy_run_with_a_joined_engine_host(host_and_local, toy_policy, tmp_path,
     """``scalinginter run toy --set rollout.engines=2 --set rollout.engine_urls=[the host]`` with the weights handed
     over through S3 (``rollout.engine_sync_dir=s3://...``): the toy preset's three steps end to end, one engine
     started by the run and the engine host joined, each update's weights reaching the host through the bucket."""
-    import boto3
-
     from tests.toypolicy import toy_run_cmd
 
     _, _, url, _ = host_and_local
@@ -541,8 +518,7 @@ def test_toy_run_with_a_joined_engine_host(host_and_local, toy_policy, tmp_path,
     assert "vLLM: 2 rollout engines (cores " in out and url in out
     rows = [json.loads(x) for x in (tmp_path / "joined" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     assert len(rows) == 3 and all("train/weight_sync_s" in r for r in rows)
-    s3 = boto3.client("s3", endpoint_url=s3_env["AWS_ENDPOINT_URL"], region_name="us-east-1",
-                      aws_access_key_id="testing", aws_secret_access_key=s3_env["AWS_SECRET_ACCESS_KEY"])
+    s3 = _s3(s3_env)
     assert s3.list_objects_v2(Bucket="sync", Prefix="toy-run/").get("KeyCount", 0) == 0, "stored weights deleted"
 
 
