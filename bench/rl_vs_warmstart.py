@@ -50,6 +50,7 @@ BASE = ["rollout.tasks_per_step=4", "env.runtime=process"]  # env servers as loc
 STOP_DRIFT = ["algo.lr=2e-5", "algo.kl_coef=0.05", "algo.skip_no_signal=true"]
 EXPERT = ["algo.expert_coef=1.0", "algo.expert_decay=linear"]
 EXPERT03 = ["algo.expert_coef=0.3", "algo.expert_decay=linear"]
+EXPERT06 = ["algo.expert_coef=0.6", "algo.expert_decay=linear"]
 FIT = ["rollout.task_filter=fits_turns"]
 DYN = ["rollout.dynamic_sampling_rounds=1"]
 RECIPE = STOP_DRIFT + EXPERT + FIT + DYN
@@ -88,6 +89,9 @@ ARMS: dict[str, list[str]] = {
     # refactor's bug that left every solved group out of the replay: replay_groups 0 at all 12 steps, so it trained
     # exactly this recipe; its folder was renamed.)
     "groups@10+expert0.3": GROUPS + EXPERT03 + FIT + DYN + AT10,
+    # the relabels between the two weights measured: at 1 they kept the 2-3-turn tasks and lost most of the gain
+    # (one seed), at 0.3 they kept the gain and not the 2-3-turn tasks (three seeds)
+    "groups@10+expert0.6": GROUPS + EXPERT06 + FIT + DYN + AT10,
     # both retention levers at once: the replay kept the gain, the relabels kept the 2-3-turn tasks
     "groups@10+replay+expert0.3": GROUPS + EXPERT03 + FIT + DYN + ["algo.replay_solved=2"] + AT10,
     # the same for any env and preset: `groups` with all the preset's steps at its last phase's turn limit (on the
