@@ -234,9 +234,45 @@ def arm_report(warm: list[dict[str, Any]], seeds: list[dict[str, Any]]) -> dict[
     return rep
 
 
+def merge_arms(arms: dict[str, Any], earlier: list[tuple[Path, dict[str, Any]]], turn_limit: int,
+               tasks: list[str]) -> dict[str, Any]:
+    """This run's arms after the earlier reports' arms it did not run (an arm run here again replaces the earlier one);
+    a carried arm keeps its seeds, each with the warm start outcomes it was scored against, and names its report.
+    Refused unless the earlier arms were scored on the same held-out tasks at the same turn limit."""
+    out: dict[str, Any] = {}
+    for path, doc in earlier:
+        if doc.get("turn_limit") != turn_limit:
+            raise SystemExit(f"--merge {path}: its arms were scored at {doc.get('turn_limit')} turns, this run's at "
+                             f"{turn_limit}")
+        if [o["task"] for o in doc.get("warm_start", [])] != tasks:
+            raise SystemExit(f"--merge {path}: its arms were scored on other held-out tasks (same --eval-n and "
+                             "preset needed)")
+        for arm, a in doc.get("arms", {}).items():
+            if arm not in arms:
+                out[arm] = {**a, "merged_from": a.get("merged_from", path.name)}
+    return {**out, **arms}
+
+
 def _bucket_keys(doc: dict[str, Any]) -> list[str]:
     """The required-turns buckets the held-out tasks fall in (BabyAI multistep: all four; TextCraft easy: two)."""
     return [k for k in BUCKETS if any(k in a["report"]["buckets"] for a in doc["arms"].values())]
+
+
+def warm_starts(doc: dict[str, Any]) -> dict[str, tuple[float, dict[str, Any], list[str]]]:
+    """The warm starts the arms were scored against, in order: label -> (pooled success, buckets, arms). One unless
+    arms merged from an earlier report (``--merge``) started from a warm start made again, which in bf16 is not the
+    same model twice."""
+    out: dict[str, tuple[float, dict[str, Any], list[str]]] = {}
+    keys: dict[tuple, str] = {}
+    for arm, a in doc["arms"].items():
+        ws = a["seeds"][0].get("warm_start")
+        key = (tuple(o["success"] for o in ws) if ws else
+               (a["report"]["warm_start"], *(b["warm_start"] for b in a["report"]["buckets"].values())))
+        if key not in keys:
+            keys[key] = "warm start" if not keys else f"warm start {len(keys) + 1}"
+            out[keys[key]] = (a["report"]["warm_start"], a["report"]["buckets"], [])
+        out[keys[key]][2].append(arm)
+    return out
 
 
 def table(doc: dict[str, Any]) -> str:
@@ -246,10 +282,10 @@ def table(doc: dict[str, Any]) -> str:
              f"{doc['phase_steps'] or 'the preset’s'} steps per phase, the preset's turn limits.", "",
              "| arm | seeds | final (pooled) | gain over warm start [95 % CI, seeds x tasks] | [per-task CI] | "
              "per-seed gain | McNemar p | needs " + " / ".join(keys) + " |", "|---|---|---|---|---|---|---|---|"]
-    w = next(iter(doc["arms"].values()))["report"]["warm_start"] if doc["arms"] else None
-    if w is not None:
-        wb = next(iter(doc["arms"].values()))["report"]["buckets"]
-        lines.append(f"| warm start | - | {w:.3f} | - | - | - | - | "
+    warms = warm_starts(doc)
+    for label, (w, wb, arms) in warms.items():
+        who = f" ({', '.join(arms)})" if len(warms) > 1 else ""
+        lines.append(f"| {label}{who} | - | {w:.3f} | - | - | - | - | "
                      + " / ".join(f"{wb[k]['warm_start']:.2f}" for k in BUCKETS if k in wb) + " |")
     for arm, a in doc["arms"].items():
         r = a["report"]
@@ -306,10 +342,9 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     ax = axes[1]
     keys = [k for k in BUCKETS if arms and k in doc["arms"][arms[0]]["report"]["buckets"]]
     width = 0.8 / (len(arms) + 1)
-    if arms:
-        wb = doc["arms"][arms[0]]["report"]["buckets"]
-        ax.bar([j for j in range(len(keys))], [wb[k]["warm_start"] for k in keys], width, label="warm start",
-               color="lightgrey")
+    for n, (label, (_, wb, _)) in enumerate(warm_starts(doc).items()):  # the warm start(s), grey, under the arms
+        ax.bar([j - n * width / 3 for j in range(len(keys))], [wb[k]["warm_start"] for k in keys], width,
+               label=label, color="lightgrey" if n == 0 else "darkgrey")
     for i, arm in enumerate(arms):
         b = doc["arms"][arm]["report"]["buckets"]
         ax.bar([j + (i + 1) * width for j in range(len(keys))], [b[k]["final"] for k in keys], width, label=arm)
@@ -350,6 +385,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="the arm whose recipe, turn limit and seeds the JSON repeats at its top level (the first of "
                          "these that ran)")
     ap.add_argument("--report-only", action="store_true", help="report the runs that finished; train nothing")
+    ap.add_argument("--merge", type=Path, action="append", default=[],
+                    help="an earlier report's JSON: its arms that this command does not report (their runs no longer on "
+                         "disk) are carried into the report as they are, each beside the warm start it started from")
     args = ap.parse_args(argv)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     bad = [a for a in arms if a not in ARMS]
@@ -381,6 +419,8 @@ def main(argv: list[str] | None = None) -> None:
         if seeds:
             doc["arms"][arm] = {"recipe": arm_recipe(args, arm), "turn_limit": args.turn_limit,
                                 "seeds": seeds, "report": arm_report(warm, seeds)}
+    doc["arms"] = merge_arms(doc["arms"], [(p, json.loads(p.read_text())) for p in args.merge], args.turn_limit,
+                             [o["task"] for o in warm])
     chosen = next((a for a in args.chosen.split(",") if a in doc["arms"]), None)
     if chosen:  # the chosen recipe's runs, at the top level as well
         doc["chosen_arm"] = chosen

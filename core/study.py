@@ -163,14 +163,23 @@ def bucket_rates(values: list[float], labels: list[int | None]) -> dict[str, flo
 
 
 def bucket_stats(per_seed: list[list[float]], labels: list[int | None],
-                 base: list[float] | None = None) -> dict[str, dict[str, Any]]:
+                 base: list[float] | None = None,
+                 seed_bases: list[list[float]] | None = None) -> dict[str, dict[str, Any]]:
     """Per bucket, over the seeds' per-task success lists (the same tasks in the same order as ``labels``):
     ``success`` pooled over seeds and tasks, ``ci95`` its Wilson interval over the seeds' episodes (as the study's
     overall number), ``tasks`` in the bucket, ``per_seed_success``; with ``base`` (the base model's per-task
-    success on the same tasks) ``vs_base_mcnemar_p``, the exact McNemar p of each seed against it."""
+    success on the same tasks) ``vs_base_mcnemar_p``, the exact McNemar p of each seed against it; with
+    ``seed_bases`` instead (one per seed: a warm start made again for each seed's part of the study), each seed
+    against its own."""
     if not per_seed:
         raise ValueError("no seeds")
-    if any(len(s) != len(labels) for s in per_seed) or (base is not None and len(base) != len(labels)):
+    if base is not None and seed_bases is not None:
+        raise ValueError("give base or seed_bases, not both")
+    if seed_bases is None and base is not None:
+        seed_bases = [base] * len(per_seed)
+    if seed_bases is not None and len(seed_bases) != len(per_seed):
+        raise ValueError(f"{len(seed_bases)} starting models for {len(per_seed)} seeds")
+    if any(len(s) != len(labels) for s in [*per_seed, *(seed_bases or [])]):
         raise ValueError(f"per-task scores and the {len(labels)} task labels differ in length")
     out: dict[str, dict[str, Any]] = {}
     for k, idx in bucket_indices(labels).items():
@@ -179,9 +188,9 @@ def bucket_stats(per_seed: list[list[float]], labels: list[int | None],
         lo, hi = wilson_interval(int(round(wins)), n * len(per_seed))
         cell: dict[str, Any] = {"success": wins / (n * len(per_seed)), "ci95": [lo, hi], "tasks": n,
                                 "per_seed_success": [sum(s[i] for i in idx) / n for s in per_seed]}
-        if base is not None:
-            cell["vs_base_mcnemar_p"] = [paired_mcnemar([s[i] for i in idx], [base[i] for i in idx])
-                                         for s in per_seed]
+        if seed_bases is not None:
+            cell["vs_base_mcnemar_p"] = [paired_mcnemar([s[i] for i in idx], [sb[i] for i in idx])
+                                         for s, sb in zip(per_seed, seed_bases)]
         out[k] = cell
     return out
 

@@ -29,8 +29,11 @@ show the runs side by side. The table, the JSON and the PNG go to ``--results`` 
 Each training run and evaluation is a subprocess (``scalinginter run`` / ``scalinginter eval``) whose output
 goes to a log file under ``--output-dir``; the console shows our progress lines. Re-running the same command
 resumes: finished runs are skipped (their summary exists), an unfinished one resumes from its checkpoint.
-``--merge A.json B.json`` pools reports of the same study that differ in their seeds (intervals, per-bucket
-results and comparisons are recomputed from the per-task outcomes the reports store).
+``--merge A.json B.json ...`` pools reports of the same study that differ in their seeds or arms (intervals,
+per-bucket results and comparisons are recomputed from the per-task outcomes the reports store): a study too long
+for one machine's session runs in pieces, an arm and a seed at a time (``--arms fixed-long --seeds 1 --first-seed
+2``), each piece's report kept, then merged; a piece may start from the warm start made again with the same
+recipe (each seed is then compared with the starting model its own piece scored).
 
 The starting model is the config's ``model.path`` (default: the base SmolLM2): ``--set model.path=DIR`` starts
 every arm from DIR and scores DIR as the "base" row. ``--warmstart-demos N --warmstart-epochs E`` (and
@@ -233,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--first-seed", type=int, default=0, help="the first training seed (add seeds to an earlier study)")
     ap.add_argument("--merge", nargs="+", default=None, metavar="REPORT.json",
                     help="no training: merge study reports of the same env, preset and held-out tasks but different "
-                         "seeds into one report (table, JSON, PNG)")
+                         "seeds or arms (a study run in pieces) into one report (table, JSON, PNG)")
     ap.add_argument("--preset", default="smoke", help="the ScalingInter curriculum and recipe every arm starts from")
     ap.add_argument("--set", action="append", default=[], help="config override for every run (key.path=value)")
     ap.add_argument("--eval-n", type=int, default=None,
@@ -444,7 +447,7 @@ def build_report(a: argparse.Namespace, arms: list[str], phases: list[dict], bud
         out: dict[str, Any] = {
             "turn_limits": [p["turn_limit"] for p in arm_phases(phases, arm)],
             "overrides": arm_overrides(arm),
-            "runs": [r["run_name"] for r in rs],
+            "runs": [r["run_name"] for r in rs], "seeds": [r["seed"] for r in rs],
             "heldout_success": k / (n * len(per_seed)), "ci95": [lo, hi],
             "per_seed_success": [sum(p) / n for p in per_seed],
             "vs_base_mcnemar_p": vs_base,
@@ -548,7 +551,8 @@ def arm_comparisons(arms_out: dict[str, Any], labels: list[int | None] | None = 
     for x, y in comparison_pairs(arms_out):
         entry = _paired(arms_out[x]["pooled_per_task"], arms_out[y]["pooled_per_task"])
         sx, sy = arms_out[x].get("per_seed_per_task"), arms_out[y].get("per_seed_per_task")
-        if sx and sy and len(sx) == len(sy):  # the same seeds, in order: paired by seed and by task
+        same_seeds = arms_out[x].get("seeds") == arms_out[y].get("seeds")  # both unknown: a report's own order
+        if sx and sy and len(sx) == len(sy) and same_seeds:  # the same seeds, in order: paired by seed and by task
             _, lo, hi = seed_task_bootstrap([[a - b for a, b in zip(u, v)] for u, v in zip(sx, sy)])
             entry["ci95_seed_task"] = [lo, hi]
         bx, by = arms_out[x].get("per_seed_per_task_by_budget"), arms_out[y].get("per_seed_per_task_by_budget")
@@ -596,53 +600,97 @@ def start_identity(report: dict[str, Any]) -> Any:
     return ("warmstart", json.dumps(sm["warmstart"], sort_keys=True)) if sm.get("warmstart") else ("path", sm.get("path"))
 
 
+def start_recipe(report: dict[str, Any]) -> str | None:
+    """A warm start's recipe (source model, demos, epochs, lr, batch size, env options) without what making it again
+    can change, its folder and its epoch losses (a remake on another machine or build); None without a warm start."""
+    w = (report.get("start_model") or {}).get("warmstart")
+    return None if not w else json.dumps({k: v for k, v in w.items() if k != "epoch_losses"}, sort_keys=True)
+
+
+def _seed_numbers(part: dict[str, Any]) -> list[int | None]:
+    """The training seeds behind an arm's per-seed lists, in their order (``seeds``, else the per-run health
+    records, else the run names' ``-s<N>``); None where a report does not say."""
+    n = len(part["per_seed_success"])
+    if part.get("seeds") and len(part["seeds"]) == n:
+        return list(part["seeds"])
+    health = part.get("per_seed") or []
+    if len(health) == n and all(h.get("seed") is not None for h in health):
+        return [int(h["seed"]) for h in health]
+    found = [re.search(r"-s(\d+)$", str(x)) for x in part.get("runs") or []]
+    return [int(m.group(1)) if m else None for m in found] if len(found) == n else [None] * n
+
+
 def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
-    """One report from study reports that differ only in their seeds (same env, preset, held-out tasks and base
-    model outcome): pooled success and intervals over every seed's episodes, the paired comparisons on the
-    per-task means over all seeds, the sweeps at the budgets every report has (mean over seeds), the curves' points
-    with the number of seeds behind each, the per-phase diagnostics weighted by seeds. Per required-turns bucket
-    (where the reports carry the same ``task_required_turns``): the buckets' rates, intervals and comparisons
-    recomputed from the per-seed per-task outcomes. A report written before ``per_seed_per_task`` existed counts
-    as one seed per arm whose per-task outcomes are its ``pooled_per_task``; one written before the per-budget
-    outcomes (``per_seed_per_task_by_budget``) leaves the merged per-bucket results and per-budget comparisons
-    out."""
+    """One report from study reports of the same study (same env, preset and held-out tasks) that differ in their
+    seeds or in their arms: a study run in pieces, an arm or a seed at a time, each piece's report kept. Pooled
+    success and intervals over every seed's episodes, the paired comparisons on the per-task means over all seeds,
+    the sweeps at the budgets every report has (mean over seeds), the curves' points with the number of seeds behind
+    each, the per-phase diagnostics weighted by seeds; an arm's seeds in seed order, each (arm, seed) from one report
+    only. Per required-turns bucket (where the reports carry the same ``task_required_turns``): the buckets' rates,
+    intervals and comparisons recomputed from the per-seed per-task outcomes.
+
+    The pieces start from one model, or from a warm start made again with the same recipe (``start_recipe``; bf16
+    training on another machine or build is not the same model twice): then each seed is compared with the starting
+    model its own piece scored (McNemar per seed), the base row is the per-task mean of the pieces' starting models,
+    and ``base["starts"]`` gives each one's score and the tasks on which they all agree. A report written before
+    ``per_seed_per_task`` existed counts as one seed per arm whose per-task outcomes are its ``pooled_per_task``; one
+    written before the per-budget outcomes (``per_seed_per_task_by_budget``) leaves the merged per-bucket results and
+    per-budget comparisons out."""
     from core.stats import wilson_interval
 
     if len(reports) < 2:
         raise SystemExit("--merge needs two or more reports")
     first = reports[0]
+    remade = False
     for r in reports[1:]:
         for key in ("env", "preset", "eval_n"):
             if r[key] != first[key]:
                 raise SystemExit(f"--merge: reports differ in {key}: {first[key]!r} vs {r[key]!r}")
         if start_identity(r) != start_identity(first):
-            raise SystemExit("--merge: the reports started from different models")
-        if abs(r["base"]["heldout_success"] - first["base"]["heldout_success"]) > 1e-12:
-            raise SystemExit("--merge: the base model scored differently: not the same held-out tasks")
+            if start_recipe(r) is None or start_recipe(r) != start_recipe(first):
+                raise SystemExit("--merge: the reports started from different models (not one warm start's recipe)")
+            remade = True
         if r.get("task_ids") and first.get("task_ids") and r["task_ids"] != first["task_ids"]:
             raise SystemExit("--merge: the reports were scored on different held-out tasks")
+        if not remade and abs(r["base"]["heldout_success"] - first["base"]["heldout_success"]) > 1e-12:
+            raise SystemExit("--merge: the base model scored differently: not the same held-out tasks")
         if r.get("task_required_turns") != first.get("task_required_turns"):
             raise SystemExit("--merge: the reports' held-out tasks have different required-turns labels "
                              "(task_required_turns)")
-        if list(r["arms"]) != list(first["arms"]):
-            raise SystemExit(f"--merge: reports have different arms: {list(first['arms'])} vs {list(r['arms'])}")
-        for arm, p in r["arms"].items():
-            q = first["arms"][arm]
-            if "overrides" in p and "overrides" in q and p["overrides"] != q["overrides"]:
-                raise SystemExit(f"--merge: arm {arm} has other overrides: {q['overrides']} vs {p['overrides']}")
+    arm_names = list(dict.fromkeys(arm for r in reports for arm in r["arms"]))
+    for arm in arm_names:
+        have = [r["arms"][arm] for r in reports if arm in r["arms"]]
+        for p in have[1:]:
+            if "overrides" in p and "overrides" in have[0] and p["overrides"] != have[0]["overrides"]:
+                raise SystemExit(f"--merge: arm {arm} has other overrides: {have[0]['overrides']} vs {p['overrides']}")
+        seen = [s for p in have for s in _seed_numbers(p) if s is not None]
+        if len(seen) != len(set(seen)):
+            raise SystemExit(f"--merge: arm {arm} has a seed in two reports ({sorted(seen)}): merge each run once")
     budgets = sorted(set.intersection(*(set(int(b) for b in r["budgets"]) for r in reports)))
     if max(budgets) != max(int(b) for b in first["budgets"]):
         raise SystemExit("--merge: the reports do not share their largest budget")
     labels = first.get("task_required_turns")
-    base_tasks = None  # the base model's per-task success per budget, where every report has it (and the same)
-    if all("per_task_by_budget" in r["base"] for r in reports):
-        base_tasks = {str(b): first["base"]["per_task_by_budget"][str(b)] for b in budgets}
-        if any(r["base"]["per_task_by_budget"][str(b)] != base_tasks[str(b)] for r in reports for b in budgets):
-            raise SystemExit("--merge: the base model scored differently: not the same held-out tasks")
+    # the starting model's per-task success per budget, per report, where every report has it
+    bases = ([{str(b): r["base"]["per_task_by_budget"][str(b)] for b in budgets} for r in reports]
+             if all("per_task_by_budget" in r["base"] for r in reports) else None)
+    if bases and not remade and any(x != bases[0] for x in bases):
+        raise SystemExit("--merge: the base model scored differently: not the same held-out tasks")
+    base_tasks = None if bases is None else (bases[0] if not remade else {
+        b: pooled_successes([x[b] for x in bases]) for b in bases[0]})
     arms_out: dict[str, Any] = {}
-    for arm in first["arms"]:
-        parts = [r["arms"][arm] for r in reports]
-        per_seed = [s for p in parts for s in p.get("per_seed_per_task") or [p["pooled_per_task"]]]
+    for arm in arm_names:
+        # (report index, position in its lists, seed), in seed order (a report's order where seeds are unknown)
+        rows = [(i, j, s) for i, r in enumerate(reports) if arm in r["arms"]
+                for j, s in enumerate(_seed_numbers(r["arms"][arm]))]
+        if all(s is not None for _, _, s in rows):
+            rows.sort(key=lambda x: x[2])
+        parts = [reports[i]["arms"][arm] for i in dict.fromkeys(i for i, _, _ in rows)]
+
+        def each(key: str, rows=rows, arm=arm) -> list[Any]:
+            return [reports[i]["arms"][arm][key][j] for i, j, _ in rows]
+
+        per_seed = [(reports[i]["arms"][arm].get("per_seed_per_task") or [reports[i]["arms"][arm]["pooled_per_task"]])[j]
+                    for i, j, _ in rows]
         n, seeds = len(per_seed[0]), len(per_seed)
         k = sum(sum(s) for s in per_seed)
         lo, hi = wilson_interval(int(round(k)), n * seeds)
@@ -650,8 +698,8 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
             "turn_limits": parts[0]["turn_limits"], "overrides": parts[0].get("overrides", []),
             "runs": [x for p in parts for x in p["runs"]],
             "heldout_success": k / (n * seeds), "ci95": [lo, hi],
-            "per_seed_success": [x for p in parts for x in p["per_seed_success"]],
-            "vs_base_mcnemar_p": [x for p in parts for x in p["vs_base_mcnemar_p"]],
+            "per_seed_success": each("per_seed_success"),
+            "vs_base_mcnemar_p": each("vs_base_mcnemar_p"),
             "sweep": {str(b): sum(p["sweep"][str(b)] * len(p["per_seed_success"]) for p in parts) / seeds
                       for b in budgets},
             "steps": parts[0]["steps"],
@@ -662,13 +710,15 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
             "pooled_per_task": pooled_successes(per_seed),
             "per_seed_per_task": per_seed,
         }
+        if all(s is not None for _, _, s in rows):
+            out["seeds"] = [s for _, _, s in rows]
         if all(str(b) in (p.get("per_seed_per_task_by_budget") or {}) for p in parts for b in budgets):
-            by_budget = {str(b): [s for p in parts for s in p["per_seed_per_task_by_budget"][str(b)]]
-                         for b in budgets}
+            by_budget = {str(b): [reports[i]["arms"][arm]["per_seed_per_task_by_budget"][str(b)][j]
+                                  for i, j, _ in rows] for b in budgets}
             out["per_seed_per_task_by_budget"] = by_budget
-            if labels:
-                out["buckets"] = {b: bucket_stats(v, labels, base_tasks[b] if base_tasks else None)
-                                  for b, v in by_budget.items()}
+            if labels:  # each seed against the starting model its own report scored
+                out["buckets"] = {b: bucket_stats(v, labels, seed_bases=[bases[i][b] for i, _, _ in rows]
+                                                  if bases else None) for b, v in by_budget.items()}
         if any(p.get("diagnostics") for p in parts):
             out["diagnostics"] = mean_of_dicts([(p.get("diagnostics") or {}, len(p["per_seed_success"]))
                                                 for p in parts])
@@ -685,10 +735,27 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
             base["buckets"] = {b: bucket_stats([v], labels) for b, v in base_tasks.items()}
     elif "buckets" in base:
         base["buckets"] = {str(b): base["buckets"][str(b)] for b in budgets if str(b) in base["buckets"]}
+    if remade:  # the warm start made again per piece: the base row is their mean, each listed
+        big = str(max(budgets))
+        base["heldout_success"] = sum(r["base"]["heldout_success"] for r in reports) / len(reports)
+        base["sweep"] = {str(b): sum(r["base"]["sweep"][str(b)] for r in reports) / len(reports) for b in budgets}
+        n_tasks = first["eval_n"]
+        base["ci95"] = list(wilson_interval(int(round(base["heldout_success"] * n_tasks)), n_tasks))
+        base["starts"] = [{"heldout_success": r["base"]["heldout_success"],
+                           "epoch_losses": ((r.get("start_model") or {}).get("warmstart") or {}).get("epoch_losses")}
+                          for r in reports]
+        if bases:
+            base["starts_agree"] = {b: sum(len({x[b][t] for x in bases}) == 1 for t in range(len(bases[0][b])))
+                                    for b in bases[0]}
+        base["starts_note"] = (f"the warm start was made {len(reports)} times with one recipe; the base row is the "
+                               f"mean of their scores at {big} turns")
+    seeds_per_arm = [len(a["per_seed_success"]) for a in arms_out.values()]
     report = {"env": first["env"], "preset": first["preset"], "overrides": first["overrides"],
-              "seeds": len(arms_out[next(iter(arms_out))]["per_seed_success"]), "eval_n": first["eval_n"],
+              "seeds": max(seeds_per_arm), "eval_n": first["eval_n"],
               "budgets": budgets, "experiment": first["experiment"], "start_model": first.get("start_model"),
               "machine": "; ".join(sorted({r["machine"] for r in reports}))}
+    if len(set(seeds_per_arm)) > 1:
+        report["seeds_per_arm"] = {arm: n for arm, n in zip(arms_out, seeds_per_arm)}
     if first.get("task_ids"):
         report["task_ids"] = first["task_ids"]
     if labels:
@@ -697,7 +764,8 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
     if rescores:
         report["rescore"] = rescores[0] if len(rescores) == 1 else {"parts": rescores}
     for arm, out in arms_out.items():
-        health = [h for r in reports for h in r["arms"][arm].get("per_seed") or []]
+        health = sorted((h for r in reports if arm in r["arms"] for h in r["arms"][arm].get("per_seed") or []),
+                        key=lambda h: (h.get("seed") is None, h.get("seed") or 0))
         if len(health) == len(out["per_seed_per_task"]):
             out["per_seed"] = health
     seed_level_intervals(arms_out)
@@ -729,11 +797,24 @@ DIAG_COLUMNS = (("invalid", "diag/invalid_action_rate"), ("repeat", "diag/repeat
                 ("0-adv", "diag/zero_adv_group_frac"), ("entropy", "train/entropy"), ("train", "success_rate"))
 
 
+def _starts(report: dict[str, Any]) -> str:
+    """The table's note on a warm start made again per piece of a merged study (empty otherwise)."""
+    starts = report["base"].get("starts")
+    if not starts:
+        return ""
+    big = str(max(report["budgets"]))
+    agree = report["base"].get("starts_agree", {}).get(big)
+    same = f"; the same outcome on {agree}/{report['eval_n']} tasks at {big} turns" if agree is not None else ""
+    return (f"; made {len(starts)} times with this recipe (one per piece of the study), scored "
+            + ", ".join(f"{s['heldout_success']:.3f}" for s in starts) + f"{same}; base row: their mean, each seed "
+            "compared with its own")
+
+
 def table(report: dict[str, Any]) -> str:
     big = max(report["budgets"])
     lines = [f"learning study: {report['env']}, preset {report['preset']}, {report['seeds']} seed(s), "
              f"held-out n={report['eval_n']} at {big} turns (greedy); {report['machine']}",
-             f"starting model: {describe_start(report.get('start_model'))}",
+             f"starting model: {describe_start(report.get('start_model'))}" + _starts(report),
              "(95% CI: seeds x tasks = a bootstrap over seeds and tasks, with the seed-to-seed variation; episodes = "
              "Wilson over all seeds' episodes as if independent)",
              f"{'arm':<20}{'limits':<12}{'held-out':>10}{'CI seeds x tasks':>18}{'CI episodes':>16}"

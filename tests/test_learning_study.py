@@ -73,14 +73,15 @@ def _run(arm: str, seed: int, labels: list) -> dict:
             "step_records": records, "final_eval": _doc(FINAL[arm][seed], labels, f"/x/{name}/final")}
 
 
-def _report(seeds: list[int], labels: list = LABELS) -> dict:
+def _report(seeds: list[int], labels: list = LABELS, arms: list[str] = ARMS3, base: dict = BASE,
+            start: dict | None = None) -> dict:
     """build_report on the synthetic runs, through JSON as the study writes it."""
     ls = _bench()
     a = argparse.Namespace(env="babyai", preset="multistep", set=["model.path=/m"], seeds=len(seeds), eval_n=8,
                            experiment="learning-study-babyai")
-    runs = [_run(arm, s, labels) for s in seeds for arm in ARMS3]
-    rep = ls.build_report(a, ARMS3, PHASES, [2, 4], _doc(BASE, labels, "/m"), runs, 60.0)
-    rep["start_model"] = {"path": "/m", "warmstart": None}
+    runs = [_run(arm, s, labels) for s in seeds for arm in arms]
+    rep = ls.build_report(a, arms, PHASES, [2, 4], _doc(base, labels, "/m"), runs, 60.0)
+    rep["start_model"] = start or {"path": "/m", "warmstart": None}
     return json.loads(json.dumps(rep))
 
 
@@ -194,6 +195,63 @@ def test_merge_of_one_seed_reports_equals_the_two_seed_report():
     bad["task_required_turns"] = [1] * 8
     with pytest.raises(SystemExit, match="required-turns labels"):
         ls.merge_reports([_report([0]), bad])
+
+
+def test_merge_of_a_study_run_in_pieces_with_the_warm_start_made_again(tmp_path):
+    """A study run an arm and a seed at a time, each piece on a machine that made the warm start again (the same
+    recipe, other epoch losses, one held-out task scored otherwise): the merge pools each arm's seeds in seed order
+    from whichever pieces ran them, compares each seed with its own piece's starting model, and gives the base row
+    as the mean of the starting models with each one's score and the tasks they agree on. Another recipe, a seed
+    in two pieces, other tasks are refused."""
+    ls = _bench()
+    rec = {"source_model": "smollm2-135m", "demos_requested": 48, "demos_succeeded": 48, "epochs": 2, "lr": 5e-5,
+           "env_options": {}}
+    start_a = {"path": "/a/warm", "warmstart": {**rec, "epoch_losses": [0.42, 0.14]}}
+    start_b = {"path": "/b/warm", "warmstart": {**rec, "epoch_losses": [0.43, 0.13]}}
+    base_b = {4: [0, 0, 0, 1, 1, 0, 0, 1], 2: BASE[2]}  # the remade warm start also solves task 4 at 4 turns
+    # piece 1: fixed-long seed 1 alone; piece 2: ScalingInter seed 1 and fixed-long seed 0 (another warm start);
+    # piece 3: ScalingInter seed 0
+    p1 = _report([1], arms=["fixed-long"], start=start_a)
+    p2 = _report([1], arms=["scalinginter"], start=start_b, base=base_b)
+    p2b = _report([0], arms=["fixed-long"], start=start_b, base=base_b)
+    p2["arms"]["fixed-long"] = p2b["arms"]["fixed-long"]
+    p3 = _report([0], arms=["scalinginter"], start=start_a)
+    m = ls.merge_reports([p1, p2, p3])
+    full = _report([0, 1], arms=["scalinginter", "fixed-long"])
+    assert list(m["arms"]) == ["fixed-long", "scalinginter"] and m["seeds"] == 2
+    for arm in ("scalinginter", "fixed-long"):
+        got, want = m["arms"][arm], full["arms"][arm]
+        assert got["seeds"] == [0, 1]  # seed order, whichever piece ran them
+        for key in ("per_seed_per_task", "per_seed_per_task_by_budget", "pooled_per_task", "per_seed_success"):
+            assert got[key] == want[key], (arm, key)
+        assert [h["seed"] for h in got["per_seed"]] == [0, 1]
+    # the base row: the mean of the two starting models per task (pieces 1 and 3 one, piece 2 the other)
+    assert m["base"]["per_task_by_budget"]["4"] == pytest.approx([0, 0, 0, 1, 1 / 3, 0, 0, 1])
+    assert m["base"]["heldout_success"] == pytest.approx((2 / 8 + 3 / 8 + 2 / 8) / 3)
+    assert [s["heldout_success"] for s in m["base"]["starts"]] == [0.25, 0.375, 0.25]
+    assert m["base"]["starts"][1]["epoch_losses"] == [0.43, 0.13]
+    assert m["base"]["starts_agree"] == {"2": 8, "4": 7}
+    # each seed against its own piece's starting model, per bucket: "2-3" at 4 turns (tasks 3, 4):
+    # ScalingInter seed 0 (piece 3, base [1, 0]) solves [1, 0]: no discordant task, p 1; seed 1 (piece 2, base
+    # [1, 1]) solves [0, 1]: one discordant, p 1; fixed-long seed 0 (piece 2) solves [1, 0] against [1, 1]
+    b23 = m["arms"]["scalinginter"]["buckets"]["4"]["2-3"]
+    assert b23["per_seed_success"] == [0.5, 0.5] and b23["vs_base_mcnemar_p"] == [1.0, 1.0]
+    # "1" (tasks 0-2, base 0 in both): seed 0 solves 3 (p 0.25), seed 1 solves 2 (p 0.5)
+    assert m["arms"]["scalinginter"]["buckets"]["4"]["1"]["vs_base_mcnemar_p"] == pytest.approx([0.25, 0.5])
+    # the comparison is paired by seed: the same as the two-seed study's
+    assert m["comparisons"]["scalinginter - fixed-long"]["ci95_seed_task"] == \
+        full["comparisons"]["scalinginter - fixed-long"]["ci95_seed_task"]
+    text = ls.table(m)
+    assert "made 3 times" in text and "0.250, 0.375, 0.250" in text
+    ls.plot(m, tmp_path / "pieces.png")
+    other = _report([1], arms=["scalinginter"], start={"path": "/c", "warmstart": {**rec, "epochs": 3,
+                                                                                  "epoch_losses": [0.4]}})
+    with pytest.raises(SystemExit, match="not one warm start's recipe"):
+        ls.merge_reports([p1, other])
+    with pytest.raises(SystemExit, match="seed in two reports"):
+        ls.merge_reports([p1, _report([1], arms=["fixed-long"], start=start_b, base=base_b)])
+    with pytest.raises(SystemExit, match="base model scored differently"):
+        ls.merge_reports([p1, _report([0], arms=["fixed-long"], start=start_a, base=base_b)])
 
 
 def test_table_and_plot_show_the_buckets(tmp_path):

@@ -83,3 +83,34 @@ def test_table_names_only_the_buckets_the_tasks_fall_in():
     assert "| needs 2-3 / 4-6 |" in text and "needs 1 /" not in text
     assert "| warm start | - | 0.500 | - | - | - | - | 0.67 / 0.00 |" in text
     assert "| arm | needs 2-3 | needs 4-6 |" in text
+
+
+def test_merge_carries_earlier_arms_beside_their_own_warm_start():
+    """An earlier report's arms (their runs gone) join this run's: an arm run again replaces the earlier one, each
+    keeps the warm start it was scored against (a warm start made again differs in bf16), and the table gives one
+    warm-start row per warm start; other tasks or another turn limit are refused."""
+    m = _mod()
+    labels = [1, 2, 3, 8]
+    warm_a, warm_b = _outs([1, 1, 0, 0], labels), _outs([1, 0, 0, 0], labels)
+
+    def arm(warm, final):
+        seeds = [{"seed": 0, "final": _outs(final, labels), "warm_start": warm, "diagnostics": {}}]
+        return {"recipe": [], "turn_limit": 10, "seeds": seeds, "report": m.arm_report(warm, seeds)}
+
+    earlier = {"turn_limit": 10, "warm_start": warm_a,
+               "arms": {"old": arm(warm_a, [1, 1, 1, 0]), "again": arm(warm_a, [0, 0, 0, 0])}}
+    now = {"again": arm(warm_b, [1, 1, 0, 1]), "new": arm(warm_b, [1, 1, 1, 1])}
+    tasks = [o["task"] for o in warm_b]
+    arms = m.merge_arms(now, [(Path("earlier.json"), earlier)], 10, tasks)
+    assert list(arms) == ["old", "again", "new"] and arms["again"] is now["again"]
+    assert arms["old"]["merged_from"] == "earlier.json" and "merged_from" not in arms["new"]
+    doc = {"env": "babyai", "preset": "multistep", "turn_limit": 10, "eval_n": 4, "machine": "m", "warm": "w",
+           "phase_steps": 4, "arms": arms}
+    text = m.table(doc)
+    assert "| warm start (old) | - | 0.500 | - | - | - | - | 1.00 / 0.50 / 0.00 |" in text
+    assert "| warm start 2 (again, new) | - | 0.250 | - | - | - | - | 1.00 / 0.00 / 0.00 |" in text
+    assert "| old | 1 | 0.750 | +0.250" in text and "| again | 1 | 0.750 | +0.500" in text
+    with pytest.raises(SystemExit, match="6 turns"):
+        m.merge_arms(now, [(Path("e.json"), {**earlier, "turn_limit": 6})], 10, tasks)
+    with pytest.raises(SystemExit, match="other held-out tasks"):
+        m.merge_arms(now, [(Path("e.json"), earlier)], 10, tasks[:3])

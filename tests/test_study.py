@@ -45,13 +45,14 @@ def test_pooled_successes_average_per_task_over_seeds():
         pooled_successes([[1, 0], [1, 0, 0]])
 
 
-def _report(seed_outcomes: dict[str, list[list[int]]], budgets=(2, 4), base=0.25, legacy=False) -> dict:
+def _report(seed_outcomes: dict[str, list[list[int]]], budgets=(2, 4), base=0.25, legacy=False,
+            first_seed: int = 0) -> dict:
     """A study report as bench/learning_study.py writes it (4 held-out tasks)."""
     arms = {}
     for arm, per_seed in seed_outcomes.items():
         n = len(per_seed[0])
         succ = [sum(s) / n for s in per_seed]
-        a = {"turn_limits": [2, 4], "runs": [f"{arm}-s{i}" for i in range(len(per_seed))],
+        a = {"turn_limits": [2, 4], "runs": [f"{arm}-s{first_seed + i}" for i in range(len(per_seed))],
              "heldout_success": sum(succ) / len(succ), "ci95": [0, 1], "per_seed_success": succ,
              "vs_base_mcnemar_p": [0.5] * len(per_seed), "sweep": {str(b): sum(succ) / len(succ) for b in budgets},
              "steps": 12, "generated_tokens": 100.0 * len(per_seed), "wall_time_s": 10.0, "step_time_s": 5.0,
@@ -76,7 +77,7 @@ def test_merge_reports_pools_seeds_by_hand():
     from learning_study import merge_reports
 
     a = _report({"scalinginter": [[1, 1, 0, 0]], "fixed-short": [[1, 0, 0, 0]]}, budgets=(2, 4), legacy=True)
-    b = _report({"scalinginter": [[1, 1, 1, 0]], "fixed-short": [[0, 0, 0, 0]]}, budgets=(2, 3, 4))
+    b = _report({"scalinginter": [[1, 1, 1, 0]], "fixed-short": [[0, 0, 0, 0]]}, budgets=(2, 3, 4), first_seed=1)
     m = merge_reports([a, b])
     si = m["arms"]["scalinginter"]
     assert m["seeds"] == 2 and m["budgets"] == [2, 4]  # the budgets both reports have
@@ -91,7 +92,10 @@ def test_merge_reports_pools_seeds_by_hand():
     assert set(m["comparisons"]) == {"scalinginter - fixed-short"}
     assert m["comparisons"]["scalinginter - fixed-short"]["diff"] == pytest.approx(5 / 8 - 1 / 8)
     with pytest.raises(SystemExit, match="base model scored differently"):
-        merge_reports([a, _report({"scalinginter": [[1, 1, 1, 1]], "fixed-short": [[0, 0, 0, 0]]}, base=0.5)])
+        merge_reports([a, _report({"scalinginter": [[1, 1, 1, 1]], "fixed-short": [[0, 0, 0, 0]]}, base=0.5,
+                                  first_seed=1)])
+    with pytest.raises(SystemExit, match="seed in two reports"):
+        merge_reports([a, _report({"scalinginter": [[1, 1, 1, 0]], "fixed-short": [[0, 0, 0, 0]]})])
     with pytest.raises(SystemExit, match="two or more"):
         merge_reports([a])
 
