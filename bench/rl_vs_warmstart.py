@@ -283,8 +283,10 @@ def table(doc: dict[str, Any]) -> str:
              "| arm | seeds | final (pooled) | gain over warm start [95 % CI, seeds x tasks] | [per-task CI] | "
              "per-seed gain | McNemar p | needs " + " / ".join(keys) + " |", "|---|---|---|---|---|---|---|---|"]
     warms = warm_starts(doc)
+    most = max((len(v[2]) for v in warms.values()), default=0)
     for label, (w, wb, arms) in warms.items():
-        who = f" ({', '.join(arms)})" if len(warms) > 1 else ""
+        # with several warm starts, each row names its arms (the one most arms started from: "the other arms")
+        who = "" if len(warms) == 1 else " (the other arms)" if len(arms) == most else f" ({', '.join(arms)})"
         lines.append(f"| {label}{who} | - | {w:.3f} | - | - | - | - | "
                      + " / ".join(f"{wb[k]['warm_start']:.2f}" for k in BUCKETS if k in wb) + " |")
     for arm, a in doc["arms"].items():

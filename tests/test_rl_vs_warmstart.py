@@ -108,7 +108,7 @@ def test_merge_carries_earlier_arms_beside_their_own_warm_start():
            "phase_steps": 4, "arms": arms}
     text = m.table(doc)
     assert "| warm start (old) | - | 0.500 | - | - | - | - | 1.00 / 0.50 / 0.00 |" in text
-    assert "| warm start 2 (again, new) | - | 0.250 | - | - | - | - | 1.00 / 0.00 / 0.00 |" in text
+    assert "| warm start 2 (the other arms) | - | 0.250 | - | - | - | - | 1.00 / 0.00 / 0.00 |" in text
     assert "| old | 1 | 0.750 | +0.250" in text and "| again | 1 | 0.750 | +0.500" in text
     with pytest.raises(SystemExit, match="6 turns"):
         m.merge_arms(now, [(Path("e.json"), {**earlier, "turn_limit": 6})], 10, tasks)
