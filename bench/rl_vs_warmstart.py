@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--set", action="append", help="a config override for every arm (after the arm's own)")
     ap.add_argument("--keep-checkpoints", action="store_true")
-    ap.add_argument("--chosen", default="groups@10,groups@last,recipe",
+    ap.add_argument("--chosen", default="groups@10+expert0.6,groups@10,groups@last,recipe",
                     help="the arm whose recipe, turn limit and seeds the JSON repeats at its top level (the first of "
                          "these that ran)")
     ap.add_argument("--report-only", action="store_true", help="report the runs that finished; train nothing")

@@ -40,8 +40,8 @@ def test_multistep_preset():
 
 
 def test_multistep_rl_preset_is_the_measured_arm():
-    """`--preset multistep-rl` resolves to the settings the rl-vs-warmstart `groups@10` arm ran with (the multistep
-    preset plus the arm's overrides; the bench's own output, runtime and evaluation settings left aside)."""
+    """`--preset multistep-rl` resolves to the settings the rl-vs-warmstart `groups@10+expert0.6` arm ran with (the
+    multistep preset plus the arm's overrides; the bench's own output, runtime and evaluation settings left aside)."""
     import sys
     from pathlib import Path
 
@@ -50,7 +50,7 @@ def test_multistep_rl_preset_is_the_measured_arm():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from rl_vs_warmstart import ARMS, BASE
 
-    arm = [s for s in BASE + ARMS["groups@10"] if not s.startswith("env.runtime")]
+    arm = [s for s in BASE + ARMS["groups@10+expert0.6"] if not s.startswith("env.runtime")]
     a = build_config("babyai", "multistep", arm + ["eval.turn_limit=10"]).model_dump()
     b = build_config("babyai", "multistep-rl").model_dump()
     assert b.pop("preset") == "multistep-rl" and a.pop("preset") == "multistep"

@@ -7,7 +7,8 @@ MULTISTEP_LEVELS = "GoToLocal,PickupLoc,OpenTwoDoors,UnlockLocal,PutNextS4N1,Unl
 # the RL-from-a-warm-start recipe of multistep-rl and multistep-study (without its task filter: each preset says)
 _RL_ROLLOUT = {"tasks_per_step": 4, "samples_per_task": 4, "max_new_tokens": 24, "token_budget": 3072,
                "temperature": 1.0, "dynamic_sampling_rounds": 1}
-_RL_ALGO = {"lr": 1e-5, "kl_coef": 0.05, "micro_batch_size": 4, "skip_no_signal": True, "expert_groups": True}
+_RL_ALGO = {"lr": 1e-5, "kl_coef": 0.05, "micro_batch_size": 4, "skip_no_signal": True, "expert_groups": True,
+            "expert_coef": 0.6, "expert_decay": "linear"}
 
 PRESETS: dict[str, dict[str, Any]] = {
     # The CPU demo: three phases with growing turn limits, 4 steps each, on three go-to levels. Its levers: lr 3e-5
@@ -67,10 +68,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         "eval": {"n": 140},
     },
     # RL that improves a behaviour-cloning warm start of the multistep levels (scalinginter warmstart ... --out DIR;
-    # run with --set model.path=DIR): the rl-vs-warmstart `groups@10` arm's settings, 12 steps of 4 tasks x 4
-    # samples at the evaluation's 10 turns, lr 1e-5, a KL of 0.05 to the warm start, no update without signal, tasks
-    # whose expert fits the turn limit, one dynamic-sampling round, and the expert's episode in each group whose
-    # samples all failed. What it measured: docs/results/rl-vs-warmstart.md.
+    # run with --set model.path=DIR): the rl-vs-warmstart `groups@10+expert0.6` arm's settings, 12 steps of 4 tasks x
+    # 4 samples at the evaluation's 10 turns, lr 1e-5, a KL of 0.05 to the warm start, no update without signal,
+    # tasks whose expert fits the turn limit, one dynamic-sampling round, the expert's episode in each group whose
+    # samples all failed, and the expert's reply at the state where each episode left its path (weight 0.6, decaying
+    # to 0 over the run). What it measured: docs/results/rl-vs-warmstart.md.
     "multistep-rl": {
         "env": {"options": {"levels": MULTISTEP_LEVELS}},
         "curriculum": {"phases": [{"turn_limit": 10, "steps": 12}]},
@@ -80,7 +82,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     # The curriculum study on the multistep-rl recipe (scalinginter study --preset multistep-study --set
     # model.path=DIR): its levers (lr 1e-5, KL 0.05 to the starting model, no update without signal, one
-    # dynamic-sampling round, the expert's episode in each all-fail group) on the 3 -> 6 -> 10 schedule, 12 steps a
+    # dynamic-sampling round, the expert's episode in each all-fail group, the expert's relabels at weight 0.6
+    # decaying over the run) on the 3 -> 6 -> 10 schedule, 12 steps a
     # phase (36), tasks drawn from all levels: the study's `scalinginter-fit` arm adds the fits-turns filter, so the
     # preset leaves it out. The fixed arms take the same 36 steps at 3 or at 10 turns.
     "multistep-study": {
