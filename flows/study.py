@@ -685,12 +685,8 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
         if all(s is not None for _, _, s in rows):
             rows.sort(key=lambda x: x[2])
         parts = [reports[i]["arms"][arm] for i in dict.fromkeys(i for i, _, _ in rows)]
-
-        def each(key: str, rows=rows, arm=arm) -> list[Any]:
-            return [reports[i]["arms"][arm][key][j] for i, j, _ in rows]
-
-        per_seed = [(reports[i]["arms"][arm].get("per_seed_per_task") or [reports[i]["arms"][arm]["pooled_per_task"]])[j]
-                    for i, j, _ in rows]
+        at = [(reports[i]["arms"][arm], j) for i, j, _ in rows]  # each seed: its report's arm, its position there
+        per_seed = [(p.get("per_seed_per_task") or [p["pooled_per_task"]])[j] for p, j in at]
         n, seeds = len(per_seed[0]), len(per_seed)
         k = sum(sum(s) for s in per_seed)
         lo, hi = wilson_interval(int(round(k)), n * seeds)
@@ -698,8 +694,8 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
             "turn_limits": parts[0]["turn_limits"], "overrides": parts[0].get("overrides", []),
             "runs": [x for p in parts for x in p["runs"]],
             "heldout_success": k / (n * seeds), "ci95": [lo, hi],
-            "per_seed_success": each("per_seed_success"),
-            "vs_base_mcnemar_p": each("vs_base_mcnemar_p"),
+            "per_seed_success": [p["per_seed_success"][j] for p, j in at],
+            "vs_base_mcnemar_p": [p["vs_base_mcnemar_p"][j] for p, j in at],
             "sweep": {str(b): sum(p["sweep"][str(b)] * len(p["per_seed_success"]) for p in parts) / seeds
                       for b in budgets},
             "steps": parts[0]["steps"],
@@ -713,8 +709,7 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
         if all(s is not None for _, _, s in rows):
             out["seeds"] = [s for _, _, s in rows]
         if all(str(b) in (p.get("per_seed_per_task_by_budget") or {}) for p in parts for b in budgets):
-            by_budget = {str(b): [reports[i]["arms"][arm]["per_seed_per_task_by_budget"][str(b)][j]
-                                  for i, j, _ in rows] for b in budgets}
+            by_budget = {str(b): [p["per_seed_per_task_by_budget"][str(b)][j] for p, j in at] for b in budgets}
             out["per_seed_per_task_by_budget"] = by_budget
             if labels:  # each seed against the starting model its own report scored
                 out["buckets"] = {b: bucket_stats(v, labels, seed_bases=[bases[i][b] for i, _, _ in rows]
@@ -735,8 +730,7 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
             base["buckets"] = {b: bucket_stats([v], labels) for b, v in base_tasks.items()}
     elif "buckets" in base:
         base["buckets"] = {str(b): base["buckets"][str(b)] for b in budgets if str(b) in base["buckets"]}
-    if remade:  # the warm start made again per piece: the base row is their mean, each listed
-        big = str(max(budgets))
+    if remade:  # the warm start made again per piece: the base row is their mean, each listed (table: _starts)
         base["heldout_success"] = sum(r["base"]["heldout_success"] for r in reports) / len(reports)
         base["sweep"] = {str(b): sum(r["base"]["sweep"][str(b)] for r in reports) / len(reports) for b in budgets}
         n_tasks = first["eval_n"]
@@ -747,8 +741,6 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
         if bases:
             base["starts_agree"] = {b: sum(len({x[b][t] for x in bases}) == 1 for t in range(len(bases[0][b])))
                                     for b in bases[0]}
-        base["starts_note"] = (f"the warm start was made {len(reports)} times with one recipe; the base row is the "
-                               f"mean of their scores at {big} turns")
     seeds_per_arm = [len(a["per_seed_success"]) for a in arms_out.values()]
     report = {"env": first["env"], "preset": first["preset"], "overrides": first["overrides"],
               "seeds": max(seeds_per_arm), "eval_n": first["eval_n"],
