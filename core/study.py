@@ -277,3 +277,104 @@ def retention(base: list[float], final: list[float], labels: list[int | None] | 
     if labels:
         out.update({k: kept(idx) for k, idx in bucket_indices(labels).items()})
     return out
+
+
+# --- the paper's claims, side by side with a study's results ---------------------------------------------------
+PLATEAU_TOLERANCE = 0.02  # a last phase that adds less held-out success than this (about 3 tasks in 140) is flat
+
+PAPER_CLAIMS = {  # what AgentGym-RL's ScalingInter-RL experiments report (7B, ~25k episodes), one line each
+    "fixed_long_collapse": "a fixed long horizon collapses: train success falls and episodes pin at the turn cap "
+                           "(the 10-turn search run below 0.30 by step ~175)",
+    "fixed_short_plateau": "a fixed short horizon plateaus: it stops gaining while the curriculum goes on "
+                           "(fixed-5 near 0.55 late)",
+    "curriculum_ahead_of_short": "the curriculum ends ahead of the fixed short horizon (~0.62 vs ~0.55, only "
+                                 "after ~200 steps)",
+    "curriculum_ahead_of_long": "the curriculum ends ahead of the fixed long horizon, which it outlasts",
+}
+
+
+def _curve_point(curve: dict[Any, Any], which: int) -> tuple[int, float] | None:
+    """``(step, mean)`` of a held-out curve (``{step: {"mean": ...}}``, steps as ints or JSON strings) at its
+    ``which``-th point in step order (negative from the end); None where it has no such point."""
+    pts = sorted((int(s), float(v["mean"])) for s, v in (curve or {}).items())
+    try:
+        return pts[which]
+    except IndexError:
+        return None
+
+
+def _separation(c: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
+    """A paired comparison's verdict from its interval (seeds x tasks where the report has it, else tasks)."""
+    if not c:
+        return "not run", {}
+    kind = "seeds x tasks" if c.get("ci95_seed_task") else "tasks"
+    lo, hi = c.get("ci95_seed_task") or c["ci95"]
+    verdict = "appears" if lo > 0 else "reversed" if hi < 0 else "not separated"
+    return verdict, {"diff": c["diff"], "ci95": [lo, hi], "interval": kind}
+
+
+def paper_claims(arms: dict[str, Any], comparisons: dict[str, Any]) -> list[dict[str, Any]]:
+    """The paper's four effects (``PAPER_CLAIMS``) measured on a study's report parts: ``arms`` (per arm its
+    ``per_seed`` health records with ``collapsed`` and ``horizon`` per phase, its held-out ``curve`` and ``steps``)
+    and ``comparisons`` (``"a - b"`` paired differences). Each entry: ``claim``, ``paper``, ``rule``, ``measured``
+    and ``verdict`` ("appears", "does not appear", "partly", "reversed", "not separated", or "not run" where an arm
+    it needs is missing)."""
+    out: list[dict[str, Any]] = []
+
+    def add(claim: str, rule: str, verdict: str, measured: dict[str, Any]) -> None:
+        out.append({"claim": claim, "paper": PAPER_CLAIMS[claim], "rule": rule, "measured": measured,
+                    "verdict": verdict})
+
+    def collapsed(arm: str) -> tuple[int, int] | None:
+        health = (arms.get(arm) or {}).get("per_seed")
+        return (sum(bool(h.get("collapsed")) for h in health), len(health)) if health else None
+
+    def at_limit(arm: str) -> float | None:  # the last phase's share of episodes ending at the turn limit
+        vals = []
+        for h in (arms.get(arm) or {}).get("per_seed") or []:
+            phases = list((h.get("horizon") or {}).values())
+            v = finite_number(phases[-1].get("diag/turn_limit_frac")) if phases else None
+            if v is not None:
+                vals.append(v)
+        return statistics.fmean(vals) if vals else None
+
+    fl, si = collapsed("fixed-long"), collapsed("scalinginter")
+    rule = ("appears: fixed-long collapsed in more than half its seeds and scalinginter in fewer; does not appear: "
+            "in none; partly: otherwise (collapse by the report's collapse rule)")
+    if fl is None:
+        add("fixed_long_collapse", rule, "not run", {})
+    else:
+        k, n = fl
+        verdict = ("does not appear" if k == 0 else
+                   "appears" if 2 * k > n and (si is None or si[0] < k) else "partly")
+        add("fixed_long_collapse", rule, verdict,
+            {"fixed-long collapsed": f"{k}/{n}", "scalinginter collapsed": None if si is None else f"{si[0]}/{si[1]}",
+             "fixed-long at-limit share, last phase": at_limit("fixed-long"),
+             "scalinginter at-limit share, last phase": at_limit("scalinginter"),
+             "steps": (arms["fixed-long"].get("steps"))})
+
+    def last_phase_gain(arm: str) -> tuple[float, int, int] | None:
+        c = (arms.get(arm) or {}).get("curve")
+        last, before = _curve_point(c, -1), _curve_point(c, -2)
+        return (last[1] - before[1], before[0], last[0]) if last and before else None
+
+    fs, sg = last_phase_gain("fixed-short"), last_phase_gain("scalinginter")
+    rule = (f"appears: fixed-short's held-out success (largest budget, mean over seeds) gains less than "
+            f"{PLATEAU_TOLERANCE} over its last phase while scalinginter gains {PLATEAU_TOLERANCE} or more; does not "
+            f"appear: fixed-short gains {PLATEAU_TOLERANCE} or more; partly: both gain less")
+    if fs is None:
+        add("fixed_short_plateau", rule, "not run", {})
+    else:
+        flat = fs[0] < PLATEAU_TOLERANCE
+        verdict = ("does not appear" if not flat else
+                   "appears" if sg is not None and sg[0] >= PLATEAU_TOLERANCE else "partly")
+        add("fixed_short_plateau", rule, verdict,
+            {"fixed-short last-phase gain": fs[0], "from step": fs[1], "to step": fs[2],
+             "scalinginter last-phase gain": None if sg is None else sg[0]})
+
+    rule = ("appears: the paired difference's 95% interval (seeds x tasks where there are several seeds) is above "
+            "0; reversed: below 0; not separated: it covers 0")
+    for claim, other in (("curriculum_ahead_of_short", "fixed-short"), ("curriculum_ahead_of_long", "fixed-long")):
+        verdict, measured = _separation(comparisons.get(f"scalinginter - {other}"))
+        add(claim, rule, verdict, measured)
+    return out

@@ -92,6 +92,7 @@ from core.study import (  # noqa: E402
     paired_mcnemar,
     parse_arms,
     phase_means,
+    paper_claims,
     pooled_successes,
     retention,
 )
@@ -498,6 +499,7 @@ def build_report(a: argparse.Namespace, arms: list[str], phases: list[dict], bud
     report.update({"base": base_out, "arms": arms_out, "comparisons": arm_comparisons(arms_out, labels),
                    "wall_time_s": wall, "runs": [{k: v for k, v in r.items() if k != "final_eval"} for r in runs],
                    "collapse_rule": COLLAPSE_RULE})
+    report["paper_claims"] = paper_claims(arms_out, report["comparisons"])
     return report
 
 
@@ -764,6 +766,7 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
     report.update({"base": base, "arms": arms_out, "comparisons": arm_comparisons(arms_out, labels),
                    "wall_time_s": sum(r["wall_time_s"] for r in reports),
                    "runs": [x for r in reports for x in r["runs"]], "collapse_rule": COLLAPSE_RULE})
+    report["paper_claims"] = paper_claims(arms_out, report["comparisons"])
     return report
 
 
@@ -778,6 +781,14 @@ def _machine() -> str:
 
 def _rate(c: dict[str, Any] | None) -> str:
     return "-" if not c else f"{c['success']:.2f} [{c['ci95'][0]:.2f},{c['ci95'][1]:.2f}]"
+
+
+def _num(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    if isinstance(v, list):
+        return "[" + ", ".join(_num(x) for x in v) + "]"
+    return str(v)
 
 
 def _diff(c: dict[str, Any]) -> str:
@@ -862,6 +873,13 @@ def table(report: dict[str, Any]) -> str:
                 ret = " ".join(f"{k} {'-' if v is None else f'{v:.2f}'}" for k, v in h["retention"].items())
                 lines.append(f"  {arm:<20} seed {h['seed']}: {'COLLAPSED' if h['collapsed'] else 'no collapse'}; "
                              f"used {used}; repeat {rep}; retention {ret}")
+    claims = report.get("paper_claims") or []
+    if claims:
+        lines.append(f"the paper's claims here (after {max(r['steps'] for r in report['arms'].values())} steps; "
+                     "rules in the JSON's paper_claims):")
+        for c in claims:
+            m = "; ".join(f"{k} {_num(v)}" for k, v in c["measured"].items() if v is not None)
+            lines.append(f"  {c['claim']:<26} {c['verdict'].upper():<16} {m}")
     if any(r.get("diagnostics") for r in report["arms"].values()):
         lines.append("stability diagnostics per phase (mean over the phase's steps and the seeds; train = train "
                      "success):")

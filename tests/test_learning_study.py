@@ -243,6 +243,12 @@ def test_merge_of_a_study_run_in_pieces_with_the_warm_start_made_again(tmp_path)
         full["comparisons"]["scalinginter - fixed-long"]["ci95_seed_task"]
     text = ls.table(m)
     assert "made 3 times" in text and "0.250, 0.375, 0.250" in text
+    # the paper's claims on the merged study: the verdict against fixed-long from the seed-paired interval
+    claims = {c["claim"]: c for c in m["paper_claims"]}
+    assert claims["curriculum_ahead_of_long"]["measured"]["ci95"] == \
+        m["comparisons"]["scalinginter - fixed-long"]["ci95_seed_task"]
+    assert claims["fixed_short_plateau"]["verdict"] == "not run"  # no fixed-short arm in these pieces
+    assert "the paper's claims here" in text and "curriculum_ahead_of_long" in text
     ls.plot(m, tmp_path / "pieces.png")
     other = _report([1], arms=["scalinginter"], start={"path": "/c", "warmstart": {**rec, "epochs": 3,
                                                                                   "epoch_losses": [0.4]}})

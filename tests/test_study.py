@@ -334,3 +334,70 @@ def test_rescore_agreement_by_hand():
     assert rescore_agreement([0.5, 1.0], [0.5, 1.0])["agreement"] == 1.0
     with pytest.raises(ValueError, match="same tasks"):
         rescore_agreement([1, 0], [1])
+
+
+def _health(collapsed, at_limit):
+    return {"collapsed": collapsed, "horizon": {"phase-1": {"diag/turn_limit_frac": 0.1},
+                                                "phase-2": {"diag/turn_limit_frac": at_limit}}}
+
+
+def test_paper_claims_by_hand():
+    from core.study import PLATEAU_TOLERANCE, paper_claims
+
+    arms = {
+        # fixed-long: 2 of 3 seeds collapsed; scalinginter: 1 of 3 -> the collapse claim appears
+        "fixed-long": {"steps": 36, "per_seed": [_health(True, 0.9), _health(True, 0.7), _health(False, 0.5)],
+                       "curve": {"0": {"mean": 0.35}, "12": {"mean": 0.30}}},
+        "scalinginter": {"steps": 36, "per_seed": [_health(True, 0.2), _health(False, 0.4), _health(False, 0.3)],
+                         # JSON keys (strings) sort as numbers: step 24 -> 36 gains 0.05
+                         "curve": {"0": {"mean": 0.35}, "24": {"mean": 0.40}, "36": {"mean": 0.45},
+                                   "12": {"mean": 0.5}}},
+        # fixed-short gains 0.01 over its last phase (< the tolerance): flat while scalinginter goes on
+        "fixed-short": {"steps": 36, "per_seed": [_health(False, 0.0)],
+                        "curve": {0: {"mean": 0.35}, 24: {"mean": 0.40}, 36: {"mean": 0.41}}},
+    }
+    comparisons = {"scalinginter - fixed-short": {"diff": 0.04, "ci95": [0.01, 0.07], "ci95_seed_task": [-0.02, 0.1]},
+                   "scalinginter - fixed-long": {"diff": 0.1, "ci95": [0.05, 0.15]}}
+    got = {c["claim"]: c for c in paper_claims(arms, comparisons)}
+    assert list(got) == ["fixed_long_collapse", "fixed_short_plateau", "curriculum_ahead_of_short",
+                         "curriculum_ahead_of_long"]
+    c = got["fixed_long_collapse"]
+    assert c["verdict"] == "appears"
+    assert c["measured"]["fixed-long collapsed"] == "2/3" and c["measured"]["scalinginter collapsed"] == "1/3"
+    assert c["measured"]["fixed-long at-limit share, last phase"] == pytest.approx(0.7)
+    assert c["measured"]["scalinginter at-limit share, last phase"] == pytest.approx(0.3)
+    p = got["fixed_short_plateau"]
+    assert p["verdict"] == "appears"
+    assert p["measured"]["fixed-short last-phase gain"] == pytest.approx(0.01)
+    assert (p["measured"]["from step"], p["measured"]["to step"]) == (24, 36)
+    assert p["measured"]["scalinginter last-phase gain"] == pytest.approx(0.05)
+    # the seed-level interval decides where the report has it (the per-task one would say "appears")
+    s = got["curriculum_ahead_of_short"]
+    assert s["verdict"] == "not separated" and s["measured"]["interval"] == "seeds x tasks"
+    assert s["measured"]["ci95"] == [-0.02, 0.1]
+    assert got["curriculum_ahead_of_long"]["verdict"] == "appears"
+    assert got["curriculum_ahead_of_long"]["measured"]["interval"] == "tasks"
+    assert str(PLATEAU_TOLERANCE) in p["rule"]
+
+
+def test_paper_claims_other_verdicts_and_missing_arms():
+    from core.study import paper_claims
+
+    # only scalinginter ran: every claim that needs another arm says so
+    only = {"scalinginter": {"steps": 4, "per_seed": [_health(False, 0.1)], "curve": {0: {"mean": 0.2}}}}
+    assert [c["verdict"] for c in paper_claims(only, {})] == ["not run"] * 4
+    arms = {
+        "fixed-long": {"steps": 36, "per_seed": [_health(False, 0.9), _health(False, 0.9)]},  # no collapse
+        "scalinginter": {"steps": 36, "per_seed": [_health(False, 0.1)],
+                         "curve": {0: {"mean": 0.3}, 24: {"mean": 0.30}, 36: {"mean": 0.31}}},  # flat too
+        "fixed-short": {"steps": 36, "curve": {0: {"mean": 0.3}, 24: {"mean": 0.30}, 36: {"mean": 0.33}}},
+    }
+    comparisons = {"scalinginter - fixed-short": {"diff": -0.1, "ci95": [-0.2, -0.01]}}
+    got = {c["claim"]: c["verdict"] for c in paper_claims(arms, comparisons)}
+    assert got == {"fixed_long_collapse": "does not appear",
+                   "fixed_short_plateau": "does not appear",  # fixed-short still gains 0.03
+                   "curriculum_ahead_of_short": "reversed", "curriculum_ahead_of_long": "not run"}
+    arms["fixed-short"]["curve"][36] = {"mean": 0.29}  # now flat, but scalinginter is flat as well
+    arms["fixed-long"]["per_seed"][0]["collapsed"] = True  # 1 of 2: not more than half
+    got = {c["claim"]: c["verdict"] for c in paper_claims(arms, comparisons)}
+    assert got["fixed_short_plateau"] == "partly" and got["fixed_long_collapse"] == "partly"
