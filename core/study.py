@@ -361,13 +361,14 @@ def paper_claims(arms: dict[str, Any], comparisons: dict[str, Any]) -> list[dict
     fs, sg = last_phase_gain("fixed-short"), last_phase_gain("scalinginter")
     rule = (f"appears: fixed-short's held-out success (largest budget, mean over seeds) gains less than "
             f"{PLATEAU_TOLERANCE} over its last phase while scalinginter gains {PLATEAU_TOLERANCE} or more; does not "
-            f"appear: fixed-short gains {PLATEAU_TOLERANCE} or more; partly: both gain less")
+            f"appear: fixed-short gains {PLATEAU_TOLERANCE} or more; partly: both gain less; not run: fixed-short flat "
+            f"and no scalinginter arm to compare")
     if fs is None:
         add("fixed_short_plateau", rule, "not run", {})
     else:
         flat = fs[0] < PLATEAU_TOLERANCE
-        verdict = ("does not appear" if not flat else
-                   "appears" if sg is not None and sg[0] >= PLATEAU_TOLERANCE else "partly")
+        verdict = ("does not appear" if not flat else "not run" if sg is None else
+                   "appears" if sg[0] >= PLATEAU_TOLERANCE else "partly")
         add("fixed_short_plateau", rule, verdict,
             {"fixed-short last-phase gain": fs[0], "from step": fs[1], "to step": fs[2],
              "scalinginter last-phase gain": None if sg is None else sg[0]})

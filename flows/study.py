@@ -754,7 +754,10 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
         report["task_ids"] = first["task_ids"]
     if labels:
         report["task_required_turns"] = labels
-    rescores = [r["rescore"] for r in reports if r.get("rescore")]
+    rescores = []  # pieces that shared an output dir share the starting model's re-score: one entry each
+    for r in reports:
+        if r.get("rescore") and r["rescore"] not in rescores:
+            rescores.append(r["rescore"])
     if rescores:
         report["rescore"] = rescores[0] if len(rescores) == 1 else {"parts": rescores}
     for arm, out in arms_out.items():

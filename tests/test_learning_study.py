@@ -488,5 +488,9 @@ def test_the_study_evaluates_lock_step_and_reports_the_rescore(tmp_path, monkeyp
     assert rs["budgets"]["2"]["same"] == 8 and rs["budgets"]["4"]["same"] == 7 and rs["budgets"]["4"]["differ"] == [6]
     rep = {**_report([0]), "rescore": rs}
     assert "re-score (the starting model scored twice" in ls.table(rep) and "4 turns 7/8 tasks the same" in ls.table(rep)
+    # two pieces that scored the starting model in one output dir carry the same re-score: said once
     merged = ls.merge_reports([rep, {**_report([1]), "rescore": rs}])
-    assert merged["rescore"] == {"parts": [rs, rs]} and ls.table(merged).count("re-score") == 2
+    assert merged["rescore"] == rs and ls.table(merged).count("re-score") == 1
+    other = ls.rescore_report(_doc(BASE, LABELS, "/m"), _doc(BASE, LABELS, "/m"), [2, 4])  # all the same
+    merged = ls.merge_reports([rep, {**_report([1]), "rescore": other}])
+    assert merged["rescore"] == {"parts": [rs, other]} and ls.table(merged).count("re-score") == 2

@@ -401,3 +401,5 @@ def test_paper_claims_other_verdicts_and_missing_arms():
     arms["fixed-long"]["per_seed"][0]["collapsed"] = True  # 1 of 2: not more than half
     got = {c["claim"]: c["verdict"] for c in paper_claims(arms, comparisons)}
     assert got["fixed_short_plateau"] == "partly" and got["fixed_long_collapse"] == "partly"
+    del arms["scalinginter"]  # flat, but nothing to be flat against
+    assert {c["claim"]: c["verdict"] for c in paper_claims(arms, comparisons)}["fixed_short_plateau"] == "not run"
