@@ -293,16 +293,6 @@ PAPER_CLAIMS = {  # what AgentGym-RL's ScalingInter-RL experiments report (7B, ~
 }
 
 
-def _curve_point(curve: dict[Any, Any], which: int) -> tuple[int, float] | None:
-    """``(step, mean)`` of a held-out curve (``{step: {"mean": ...}}``, steps as ints or JSON strings) at its
-    ``which``-th point in step order (negative from the end); None where it has no such point."""
-    pts = sorted((int(s), float(v["mean"])) for s, v in (curve or {}).items())
-    try:
-        return pts[which]
-    except IndexError:
-        return None
-
-
 def _separation(c: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
     """A paired comparison's verdict from its interval (seeds x tasks where the report has it, else tasks)."""
     if not c:
@@ -351,12 +341,16 @@ def paper_claims(arms: dict[str, Any], comparisons: dict[str, Any]) -> list[dict
             {"fixed-long collapsed": f"{k}/{n}", "scalinginter collapsed": None if si is None else f"{si[0]}/{si[1]}",
              "fixed-long at-limit share, last phase": at_limit("fixed-long"),
              "scalinginter at-limit share, last phase": at_limit("scalinginter"),
-             "steps": (arms["fixed-long"].get("steps"))})
+             "steps": arms["fixed-long"].get("steps")})
 
     def last_phase_gain(arm: str) -> tuple[float, int, int] | None:
-        c = (arms.get(arm) or {}).get("curve")
-        last, before = _curve_point(c, -1), _curve_point(c, -2)
-        return (last[1] - before[1], before[0], last[0]) if last and before else None
+        """(gain, from step, to step) between the held-out curve's last two points (``{step: {"mean": ...}}``,
+        steps as ints or JSON strings, in step order)."""
+        pts = sorted((int(s), float(v["mean"])) for s, v in ((arms.get(arm) or {}).get("curve") or {}).items())
+        if len(pts) < 2:
+            return None
+        (s0, before), (s1, last) = pts[-2:]
+        return last - before, s0, s1
 
     fs, sg = last_phase_gain("fixed-short"), last_phase_gain("scalinginter")
     rule = (f"appears: fixed-short's held-out success (largest budget, mean over seeds) gains less than "
@@ -373,8 +367,8 @@ def paper_claims(arms: dict[str, Any], comparisons: dict[str, Any]) -> list[dict
             {"fixed-short last-phase gain": fs[0], "from step": fs[1], "to step": fs[2],
              "scalinginter last-phase gain": None if sg is None else sg[0]})
 
-    rule = ("appears: the paired difference's 95% interval (seeds x tasks where there are several seeds) is above "
-            "0; reversed: below 0; not separated: it covers 0")
+    rule = ("appears: the paired difference's 95% interval (seeds x tasks where the report has it, else tasks) is "
+            "above 0; reversed: below 0; not separated: it covers 0")
     for claim, other in (("curriculum_ahead_of_short", "fixed-short"), ("curriculum_ahead_of_long", "fixed-long")):
         verdict, measured = _separation(comparisons.get(f"scalinginter - {other}"))
         add(claim, rule, verdict, measured)

@@ -90,9 +90,9 @@ from core.study import (  # noqa: E402
     finite_number,
     mean_of_dicts,
     paired_mcnemar,
+    paper_claims,
     parse_arms,
     phase_means,
-    paper_claims,
     pooled_successes,
     retention,
 )
