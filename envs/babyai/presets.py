@@ -83,8 +83,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # The curriculum study on the multistep-rl recipe (scalinginter study --preset multistep-study --set
     # model.path=DIR): its levers (lr 1e-5, KL 0.05 to the starting model, no update without signal, one
     # dynamic-sampling round, the expert's episode in each all-fail group, the expert's relabels at weight 0.6
-    # decaying over the run) on the 3 -> 6 -> 10 schedule, 12 steps a phase (36), tasks drawn from all levels: the study's `scalinginter-fit` arm adds the fits-turns filter, so the
-    # preset leaves it out. The fixed arms take the same 36 steps at 3 or at 10 turns.
+    # decaying over the run) on the 3 -> 6 -> 10 schedule, 12 steps a phase (36), tasks drawn from all levels: the
+    # study's `scalinginter-fit` arm adds the fits-turns filter, so the preset leaves it out. The fixed arms take the
+    # same 36 steps at 3 or at 10 turns.
     "multistep-study": {
         "env": {"options": {"levels": MULTISTEP_LEVELS}},
         "curriculum": {"phases": [{"turn_limit": 3, "steps": 12}, {"turn_limit": 6, "steps": 12},
