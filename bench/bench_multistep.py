@@ -32,13 +32,14 @@ step when ``--steps 1``), with each part's share of the step's wall time:
   ``core.buckets``), and the tokens a group's shared prompt saved;
 - an estimate of the update's matmul rate (6 x the decoder's linear weights x the forward slots, plus the
   vocabulary projection on the policy tokens; attention scores and recomputation left out) over forward +
-  backward time, as a share of the machine's measured bf16 matmul rate;
+  backward time, as a share of the machine's measured matmul rate in the learner's precision;
 - the peak resident memory (RSS) of the whole process tree (this process, env servers, engine processes), sampled
   every 50 ms, per stage and over the whole run.
 
-Before the run it measures the machine: a 2048 x 2048 bf16 matmul loop for ~2 s on the learner's thread count
-(GFLOPS), and the CPU (``/proc/cpuinfo``: model name, cpu family, model, bf16 flags), so figures from different
-machines can be compared as a share of that rate. Times are wall times: run it on an otherwise idle machine, and
+Before the run it measures the machine: a 2048 x 2048 matmul loop for ~2 s on the learner's thread count, in the
+learner's precision (bf16, or fp32 where the CPU has no native bf16 and the learner runs fp32; GFLOPS), and the
+CPU (``/proc/cpuinfo``: model name, cpu family, model, bf16 flags), so figures from different machines can be
+compared as a share of that rate. Times are wall times: run it on an otherwise idle machine, and
 compare two commits back to back on one machine. The JSON goes to ``--out`` or ``bench/results/multistep-step/
 multistep-step-<date>-<time>.json`` (a file kept there needs its row in ``bench/results/README.md`` and a page that
 cites it: ``tests/test_docs.py``); the libraries' log to a temporary run folder (``--log`` keeps a copy).
@@ -169,14 +170,16 @@ def step_parts(ledger: dict[str, float], wall: float, rollout: dict[str, float],
 
 
 # --- measuring --------------------------------------------------------------------------------------------
-def measure_matmul(n: int = 2048, seconds: float = 2.0, device: str = "cpu") -> dict[str, Any]:
-    """A loop of n x n bf16 matmuls for about ``seconds`` (after one warm-up call) on ``device`` (the CPU: on
+def measure_matmul(n: int = 2048, seconds: float = 2.0, device: str = "cpu", dtype: str = "bf16") -> dict[str, Any]:
+    """A loop of n x n matmuls in ``dtype`` (bf16 or fp32: the learner's, so a CPU without native bf16 is measured
+    at the rate its fp32 learner runs at) for about ``seconds`` (after one warm-up call) on ``device`` (the CPU: on
     torch's current threads)."""
     import torch
 
     g = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=g).to(device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, generator=g).to(device=device, dtype=torch.bfloat16)
+    dt_ = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    a = torch.randn(n, n, generator=g).to(device=device, dtype=dt_)
+    b = torch.randn(n, n, generator=g).to(device=device, dtype=dt_)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     c = torch.mm(a, b)
     sync()
@@ -189,7 +192,7 @@ def measure_matmul(n: int = 2048, seconds: float = 2.0, device: str = "cpu") -> 
             dt = time.perf_counter() - t0
             if dt >= seconds:
                 break
-    return {"n": n, "dtype": "bf16", "device": str(device), "iters": iters, "seconds": round(dt, 3),
+    return {"n": n, "dtype": dtype, "device": str(device), "iters": iters, "seconds": round(dt, 3),
             "threads": torch.get_num_threads(), "gflops": round(matmul_gflops(n, iters, dt), 1)}
 
 
@@ -197,7 +200,9 @@ class LearnerProbe:
     """Times the learner's log-prob forwards (``_token_logp``), backwards (``_backward``) and optimizer steps
     (``_step``) by wrapping those methods on this one learner object, and counts the token slots of every forward
     through its models' decoder (a forward pre-hook on ``base_model``); all charged to ``stage``, which the caller
-    sets before each task. Nothing the learner computes changes."""
+    sets before each task. Nothing the learner computes changes. A forward without an attention mask (right-padded
+    rows: the learner's maskless causal path) gets its rows' real lengths from the learner's ``_plain_hidden``
+    call that runs it, which this wraps too."""
 
     def __init__(self, learner: Any):
         import torch
@@ -213,6 +218,17 @@ class LearnerProbe:
                 print(f"bench: the learner has no {name}: its {part} time is not measured", flush=True)
             else:
                 setattr(learner, name, self._timer(fn, part))
+        self._lengths: list[int] | None = None  # the real lengths of the rows _plain_hidden is about to run
+        plain = getattr(learner, "_plain_hidden", None)
+        if plain is not None:
+            def lengths_then(core, ids, att, *args, **kwargs):
+                self._lengths = att.sum(1).tolist()
+                try:
+                    return plain(core, ids, att, *args, **kwargs)
+                finally:
+                    self._lengths = None
+
+            learner._plain_hidden = lengths_then
         self._hooks = []
         for model in (getattr(learner, "model", None), getattr(learner, "ref", None)):
             if model is not None:
@@ -237,7 +253,10 @@ class LearnerProbe:
             return
         att = kwargs.get("attention_mask")
         width = ids.shape[1]
-        if att is None:
+        known = self._lengths
+        if att is None and known is not None and len(known) == ids.shape[0] and max(known) <= width:
+            lengths = known  # right-padded rows without a mask (the learner's _plain_hidden said how long)
+        elif att is None:
             lengths = [width] * ids.shape[0]
         else:  # with a cached prefix the mask has its columns in front: this forward's tokens are the last ones
             lengths = att[:, -width:].sum(1).tolist()
@@ -306,7 +325,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
     hub_offline_default(["bench", f"model.path={a.model}"] + a.sets)  # as the CLI: offline unless a hub id is named
     from flows.config import build_config
-    from runtime.backends.hardware import resolve_device
+    from runtime.backends.hardware import resolve_bf16, resolve_device
     from runtime.backends.model import resolve_model
     from runtime.backends.vllm_backend import vllm_available
     from runtime.console import quiet_console, restore_console
@@ -328,10 +347,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
     T._threads(cfg)  # the learner's thread count, as open_session sets it
     cpu = cpu_info(Path("/proc/cpuinfo").read_text()) if Path("/proc/cpuinfo").exists() else {}
-    matmul = measure_matmul(seconds=a.matmul_seconds, device=str(resolve_device(cfg.model.device)))
+    matmul = measure_matmul(seconds=a.matmul_seconds, device=str(resolve_device(cfg.model.device)),
+                            dtype="bf16" if resolve_bf16(cfg.model.bf16_autocast) else "fp32")
     print(f"machine: {cpu.get('model_name')} (cpu family {cpu.get('cpu_family')}, model {cpu.get('model')}), "
           f"{cpu.get('logical_cpus')} logical CPUs, bf16 flags {' '.join(cpu.get('bf16_flags') or []) or 'none'}; "
-          f"bf16 matmul {matmul['n']}x{matmul['n']} on {matmul['threads']} threads: {matmul['gflops']:.0f} GFLOPS",
+          f"{matmul['dtype']} matmul {matmul['n']}x{matmul['n']} on {matmul['threads']} threads: {matmul['gflops']:.0f} GFLOPS",
           flush=True)
     if vllm_available() and cfg.rollout.backend == "vllm":
         import vllm  # noqa: F401  (its import time stays out of the setup figure's engine start)
@@ -492,13 +512,13 @@ def report(res: dict[str, Any]) -> str:
     rate = res["matmul"]["gflops"]
     g = [r["update_gflops"] for r in rows] + ([] if one else [avg["update_gflops"]])
     lines.append(f"{'update matmul GFLOPS (estimate)':<50}" + "".join(f"{v:11.1f}" for v in g))
-    lines.append(f"{'  share of the bf16 matmul rate':<50}"
+    lines.append(f"{'  share of the ' + res['matmul'].get('dtype', 'bf16') + ' matmul rate':<50}"
                  + "".join(pct.format(100 * v / rate if rate else 0) for v in g))
     cpu, m = res["cpu"], res["matmul"]
     lines.append(f"* the mean of the steps after the first (warm-up)" if not one else "(one step: it includes warm-up)")
     lines.append(f"machine: {cpu.get('model_name')} (cpu family {cpu.get('cpu_family')}, model {cpu.get('model')}), "
                  f"{cpu.get('logical_cpus')} logical CPUs, bf16 flags {' '.join(cpu.get('bf16_flags') or []) or 'none'}"
-                 f"; bf16 matmul {m['n']}x{m['n']} x{m['iters']} in {m['seconds']:.1f} s on {m['threads']} threads: "
+                 f"; {m.get('dtype', 'bf16')} matmul {m['n']}x{m['n']} x{m['iters']} in {m['seconds']:.1f} s on {m['threads']} threads: "
                  f"{m['gflops']:.0f} GFLOPS")
     pk = res["peak_tree_rss_gib"]
     lines.append("process tree's peak RSS (GiB): " + ", ".join(

@@ -408,6 +408,12 @@ class AlgoConfig(_Strict):
                           "(same log-probs and gradients, fewer FLOPs, more and smaller forwards). None: on on the "
                           "CPU, where FLOPs are the cost, and off on a GPU, where small forwards leave it idle (docs: "
                           "concepts/learner).")
+    expert_branches: bool = Field(
+        True, description="The expert term's relabels run as branches of their own episode's training forward: the "
+                          "expert's reply tokens attend to the episode's keys and values up to the relabelled turn, "
+                          "so the context is not run again (the same loss and gradients; where it cannot apply, a "
+                          "relabel runs as its own sequence: docs: concepts/learner). false: every relabel runs as "
+                          "its own sequence.")
     logprob_chunk: int = Field(512, ge=0, description="Policy positions whose log-probs (and entropies) are "
                                                       "computed at once: the [positions, vocab] logits never exceed "
                                                       "this many rows (recomputed per chunk in the backward pass). "

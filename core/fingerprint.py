@@ -27,6 +27,8 @@ OPERATIONAL_KEYS = frozenset({
     "rollout.async_episodes", "algo.micro_batch_tokens", "algo.length_buckets",
     # a group's prompt run once or with each row: the same log-probs and gradients (its default follows the device)
     "algo.share_prefix",
+    # an expert relabel run as a branch of its episode's forward or as its own sequence: the same loss and gradients
+    "algo.expert_branches",
     # what the engine hands back to the OS while the learner updates (it generates the same tokens either way)
     "rollout.vllm_release_kv", "rollout.vllm_release_weights",
     # where it runs: env servers' addresses, the device, the engine's GPU share and sharding, the learner's nodes

@@ -81,3 +81,23 @@ def test_step_parts_leaves_the_rest_to_other():
     assert got["update.other"] == pytest.approx(30.0 - 25.0)
     assert got["other"] == pytest.approx(90.0 - 83.0)
     assert got["advantages.forward"] == 0.5
+
+
+from tests.test_learning import tiny_model_dir  # noqa: E402,F401  (the tiny policy's fixture)
+
+
+def test_learner_probe_counts_the_real_tokens_of_maskless_forwards(tiny_model_dir):
+    """Right-padded rows run without an attention mask (the learner's causal path): the probe still counts their
+    real tokens and the padding apart, from the lengths the learner's _plain_hidden was given."""
+    from bench_multistep import LearnerProbe
+    from runtime.backends.learner import LearnerConfig, TorchLearner
+
+    learner = TorchLearner(tiny_model_dir, LearnerConfig(kl_coef=0.0, bf16_autocast=False, length_buckets=8,
+                                                         share_prefix=False))
+    probe = LearnerProbe(learner)
+    probe.stage = "update"
+    seqs = [list(range(5, 34)), list(range(5, 22))]  # 29 and 17 tokens: one forward 2 x 30 wide (buckets of 8)
+    learner.sequence_logprobs(seqs, masks=[[0] * 10 + [1] * (len(x) - 10) for x in seqs])  # the positions-only path
+    _, tokens = probe.take()
+    assert tokens["update.real"] == 46 and tokens["update.slots"] == 60
+    assert tokens["update.row_pad"] == 12 and tokens["update.bucket_pad"] == 2

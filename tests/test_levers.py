@@ -237,6 +237,48 @@ def test_expert_term_gradient_is_coef_times_the_nll_gradient(tiny_model_dir):
             assert torch.allclose(grads[name], p.grad, atol=1e-6, rtol=1e-4), name
 
 
+@pytest.mark.parametrize("case", ["shared-prompt", "buckets", "bf16-grads", "bf16-autocast", "skipped-home"])
+def test_expert_relabels_as_branches_give_the_update_of_relabels_as_sequences(tiny_model_dir, case):
+    """Relabels run as branches of their episodes' training forwards (algo.expert_branches, the default: the
+    expert's reply attends to the episode's cached keys and values) give the gradients and expert stats that each
+    relabel run as its own sequence gives, with nonzero advantages and a KL term in the same backward. A relabel
+    whose context starts no trained sequence (another group; an episode the update skips) runs on its own."""
+    from core.chat import ChatFormat
+    from runtime.backends.learner import LearnerConfig, TorchLearner
+    from tests.grads import record_grads
+
+    kw = dict(lr=1e-3, kl_coef=0.01, micro_batch_size=2, bf16_autocast=False, length_buckets=0, share_prefix=True)
+    kw.update({"shared-prompt": {}, "buckets": dict(length_buckets=8, share_prefix=False),
+               "bf16-grads": dict(grad_dtype="bf16"), "bf16-autocast": dict(bf16_autocast=True),
+               "skipped-home": dict(kl_coef=0.0, skip_zero_advantage=True)}[case])
+    stats, grads = {}, {}
+    for branches in (True, False):
+        learner = TorchLearner(tiny_model_dir, LearnerConfig(**kw, expert_branches=branches))
+        tok = learner.tokenizer
+        trajs, advs = _fixed_batch(tok, n=6)
+        if case == "skipped-home":  # group 0's episodes have no signal: skipped, so their relabels run on their own
+            advs = [[0.0] * len(a) if t.group_id == 0 else a for t, a in zip(trajs, advs)]
+        eos = [tok.eos_token_id]
+        rows = _expert_rows(tok, trajs)
+        rows.append((*relabel_sample(trajs[0], 0, ChatFormat.from_tokenizer(tok).encode("3") + eos), 0))  # turn 0
+        rows.append((*relabel_sample(trajs[3], 1, eos), trajs[3].group_id))  # a one-token reply: no branch forward
+        rows.append((rows[0][0], rows[0][1], 99))  # a group no sequence has: its own sequence
+        grads[branches] = record_grads(learner)
+        stats[branches] = learner.update(trajs, advs, prepared=learner.prepare(trajs), expert=(rows, 0.5))
+    a, b = stats[True], stats[False]
+    assert b["expert_branched"] == 0
+    assert a["expert_branched"] == (len(rows) - 1 if case != "skipped-home" else len(rows) - 1 - 3)
+    assert a["expert_samples"] == b["expert_samples"] == len(rows)
+    assert a["expert_tokens"] == b["expert_tokens"]
+    bf16 = case.startswith("bf16")  # bf16 values: the two paths' sums round differently
+    assert a["expert_nll"] == pytest.approx(b["expert_nll"], rel=1e-2 if bf16 else 1e-5)
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-2 if bf16 else 1e-5, abs=1e-7)
+    rtol, atol = (2e-2, 1e-4) if bf16 else (1e-4, 1e-6)
+    assert grads[True].keys() == grads[False].keys()
+    for name, g in grads[False].items():
+        assert torch.allclose(grads[True][name], g, rtol=rtol, atol=atol), name
+
+
 def _step_session(tiny_model_dir, **algo):
     """A training session of the tiny policy (no engine: a backend whose sync only counts) in the open Runtime."""
     from core.config import RunConfig

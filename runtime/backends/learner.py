@@ -57,6 +57,7 @@ class LearnerConfig:
     share_prefix: bool | None = None  # a group's common prompt runs once per forward (core.prefix); None: CPU only
     min_shared_prefix: int = 16
     logprob_chunk: int = 512  # policy positions projected onto the vocabulary at once (0: all at once)
+    expert_branches: bool = True  # relabels attend to their episode's cached keys and values (_attach_relabels)
     length_buckets: int | None = 0  # > 0: forwards on bucketed lengths (bucket_length); None: CPU_BUCKETS on the CPU
     activation_checkpointing: int = 0  # N > 0: every N-th decoder layer recomputes its activations in the backward
     activation_checkpointing_min_tokens: int = 0  # > 0: only micro-batches of at least this many padded tokens do
@@ -145,6 +146,17 @@ class _UpdateBatch:
 
     def traj(self, k: int) -> Trajectory:
         return self.trajs[self.prepared.live[k]]
+
+
+@dataclass
+class _ExpertShare:
+    """An optimizer step's share of the expert term: its relabels, their reply tokens (the mean's denominator), the
+    NLL summed so far over those that ran as branches of their episodes, and how many did."""
+
+    rows: list[tuple[list[int], list[int], int]]
+    denom: int
+    nll: float = 0.0
+    branched: int = 0
 
 
 @dataclass
@@ -391,11 +403,12 @@ class TorchLearner:
             att[r, : len(s)] = 1
         return ids, att
 
-    def _hidden(self, core, ids, att, need, groups: list[int] | None):
+    def _hidden(self, core, ids, att, need, groups: list[int] | None, kv: dict | None = None):
         """The last hidden states that predict tokens 1..T-1 ([B, T-1, H]). With ``groups`` (and
         ``share_prefix``), the rows of a group run their common prompt once (``core.prefix``): its keys and
         values, repeated per row, serve the rest of each row; positions inside the prompt (no policy token
-        there) are left 0 except the last, which predicts each row's first own token."""
+        there) are left 0 except the last, which predicts each row's first own token. With ``kv`` (a dict), each
+        row's keys and values are kept there as ``row: (cache, its row in the cache)`` (``_branch_hidden``)."""
         lens = att.sum(1).tolist()
         blocks = []
         # a checkpointed layer in training mode drops the key/value cache the shared prompt hands on (transformers)
@@ -406,7 +419,7 @@ class TorchLearner:
             blocks = plan_shared_prefixes(seqs, masks, groups, self.cfg.min_shared_prefix)
         blocks = [self._bucket_prefix(b) for b in blocks]
         if not any(b.prefix_len for b in blocks):
-            return self._plain_hidden(core, ids, att)
+            return self._plain_hidden(core, ids, att, kv)
         T = ids.shape[1]
         parts, order = [], []
         for b in blocks:
@@ -414,7 +427,10 @@ class TorchLearner:
             width = max(lens[r] for r in rows)
             sub_ids, sub_att = ids[rows, :width], att[rows, :width]
             if b.prefix_len == 0:
-                h = self._plain_hidden(core, sub_ids, sub_att)
+                sub_kv = None if kv is None else {}
+                h = self._plain_hidden(core, sub_ids, sub_att, sub_kv)
+                if kv is not None:
+                    kv.update({r: sub_kv[j] for j, r in enumerate(rows)})
             else:
                 L, G = b.prefix_len, len(rows)
                 pre = core.base_model(input_ids=sub_ids[:1, :L], use_cache=True)
@@ -423,6 +439,8 @@ class TorchLearner:
                 rest_ids, rest_att = self._padded(sub_ids[:, L:], sub_att, width - L)
                 rest = core.base_model(input_ids=rest_ids, attention_mask=rest_att, past_key_values=cache,
                                        use_cache=True).last_hidden_state
+                if kv is not None:  # the cache now holds each row's whole length: the prompt's, then its own
+                    kv.update({r: (cache, j) for j, r in enumerate(rows)})
                 last = pre.last_hidden_state[:, L - 1:L].expand(G, 1, -1)
                 h = torch.cat([last.new_zeros((G, L - 1, last.shape[-1])), last, rest[:, :width - L - 1]], dim=1)
             parts.append(torch.nn.functional.pad(h, (0, 0, 0, T - width)))
@@ -448,8 +466,9 @@ class TorchLearner:
             att = torch.nn.functional.pad(att, (0, extra), value=0)
         return ids, att
 
-    def _plain_hidden(self, core, ids, att):
-        """The last hidden states predicting tokens 1..T-1 of ``ids`` ([B, T]), one forward, bucketed length.
+    def _plain_hidden(self, core, ids, att, kv: dict | None = None):
+        """The last hidden states predicting tokens 1..T-1 of ``ids`` ([B, T]), one forward, bucketed length (with
+        ``kv``: the forward's keys and values kept there per row, as ``_hidden`` says).
 
         Rows padded on the right only (as ``_pad`` and ``_padded`` pad) run without an attention mask: causal
         attention already keeps every real position off the padding after it, so the real positions' outputs are
@@ -459,7 +478,33 @@ class TorchLearner:
         T = ids.shape[1]
         ids, att = self._padded(ids, att, T)
         right_padded = bool((att[:, 1:] <= att[:, :-1]).all())
-        return core.base_model(input_ids=ids, attention_mask=None if right_padded else att).last_hidden_state[:, :T - 1]
+        out = core.base_model(input_ids=ids, attention_mask=None if right_padded else att,
+                              **({} if kv is None else {"use_cache": True}))
+        if kv is not None:
+            kv.update({r: (out.past_key_values, r) for r in range(ids.shape[0])})
+        return out.last_hidden_state[:, :T - 1]
+
+    @staticmethod
+    def _branch_hidden(core, h: torch.Tensor, kv: dict, branches: list[tuple[int, int, list[int]]]):
+        """The hidden states that predict each branch's tokens, and those tokens ([n, H], [n]). A branch ``(row,
+        P, tokens)`` continues row ``row``'s first ``P`` tokens with ``tokens`` instead of the row's own: its first
+        token is predicted by the row's hidden state at ``P - 1`` (the same context), the others by a forward of
+        ``tokens[:-1]`` at positions ``P..`` attending to the row's cached keys and values of positions ``< P``
+        (``kv``, from ``_hidden``). The gradient flows back into the row's forward through both."""
+        from transformers import DynamicCache
+
+        hs, targets = [], []
+        for r, P, toks in branches:
+            parts = [h[r, P - 1:P]]
+            if len(toks) > 1:
+                cache, j = kv[r]
+                past = DynamicCache(ddp_cache_data=[(layer.keys[j:j + 1, :, :P], layer.values[j:j + 1, :, :P])
+                                                    for layer in cache.layers])
+                x = torch.tensor([toks[:-1]], device=h.device)
+                parts.append(core.base_model(input_ids=x, past_key_values=past, use_cache=True).last_hidden_state[0])
+            hs.append(torch.cat(parts))
+            targets += toks
+        return torch.cat(hs), torch.tensor(targets, device=h.device)
 
     def _bucket_prefix(self, b):
         """A shared-prefix block with its prefix cut down to a bucketed length (``bucket_floor``: the rest of each row
@@ -470,24 +515,36 @@ class TorchLearner:
         return dataclasses.replace(b, prefix_len=cut if cut >= self.cfg.min_shared_prefix else 0)
 
     def _token_logp(self, model, ids, att, with_entropy: bool = False, need: torch.Tensor | None = None,
-                    groups: list[int] | None = None):
+                    groups: list[int] | None = None, branches: list[tuple[int, int, list[int]]] | None = None):
         """log p(token_t | tokens_<t) at position t ([B, T], position 0 gets 0).
 
         ``need`` ([B, T] bool, optional) marks the tokens whose log-prob is wanted (the policy tokens): the
         vocabulary projection then runs only at those positions (elsewhere the result is 0), which saves
         most of the time and memory on long prompts and env replies. ``groups`` (the rows' group ids, with
-        ``need``) lets the rows of a group share their prompt's forward pass (see ``_hidden``)."""
+        ``need``) lets the rows of a group share their prompt's forward pass (see ``_hidden``).
+
+        With ``branches`` (``_branch_hidden``'s: ``(row, P, tokens)``), a third result: the log-probs of each
+        branch's tokens, one after another ([n]), from the same projection (the temperature must be 1)."""
         ids, att, need = self._dev(ids), self._dev(att), self._dev(need)
         core = getattr(model, "module", model)  # unwrap engine wrappers (DeepSpeed)
         fast = need is not None and not any(getattr(core.config, a, None) for a in _LOGIT_POSTPROCESSING)
+        if branches and not (fast and (self.cfg.temperature <= 0 or self.cfg.temperature == 1.0)):
+            raise ValueError("relabel branches need the positions-only projection at temperature 1")
+        bh = bt = None
         if fast:
             sel = need[:, 1:].bool()  # the token at t is predicted from the hidden state at t - 1
             head = core.get_output_embeddings()
+            kv = {} if branches else None
             with self._autocast():
-                h = self._hidden(core, ids, att, need, groups)
+                h = self._hidden(core, ids, att, need, groups, kv)
+                if branches:
+                    bh, bt = self._branch_hidden(core, h, kv, branches)
+            n_pol = int(sel.sum())
             if self.cfg.logprob_chunk and getattr(head, "bias", None) is None:  # a chunk of positions at a time
                 dtype = torch.bfloat16 if self.cfg.bf16_autocast else None
                 hs, targets = h[sel], ids[:, 1:][sel]
+                if bh is not None:
+                    hs, targets = torch.cat([hs, bh.to(hs.dtype)]), torch.cat([targets, bt])
                 n = hs.shape[0]
                 extra = self._bucket_len(n) - n  # the vocabulary projection's shapes bucketed too: zero rows, sliced
                 if extra:  # off (their log-probs get no gradient, so they add none)
@@ -495,12 +552,14 @@ class TorchLearner:
                     targets = torch.nn.functional.pad(targets, (0, extra))
                 sink = None  # bf16 gradients: the output weight's goes to its buffer when the projection has it
                 if self.cfg.grad_dtype == "bf16" and model is self.model and head.weight.requires_grad:
-                    sink = functools.partial(self._sink_head_grad, head.weight, torch.unique(ids))
+                    inputs = ids if bt is None else torch.cat([ids.flatten(), bt])  # a branch's tokens are inputs too
+                    sink = functools.partial(self._sink_head_grad, head.weight, torch.unique(inputs))
                 tok, ent = chunked_token_logprobs(hs, head.weight, targets, self.cfg.temperature,
                                                   self.cfg.logprob_chunk, with_entropy, dtype, sink)
-                return self._scatter_rows(tok[:n], None if ent is None else ent[:n], sel, ids.shape)
+                out = self._scatter_rows(tok[:n_pol], None if ent is None else ent[:n_pol], sel, ids.shape)
+                return out if bt is None else (*out, tok[n_pol:n])
             with self._autocast():
-                logits = head(h[sel])
+                logits = head(h[sel] if bh is None else torch.cat([h[sel], bh.to(h.dtype)]))
             logits = logits.float()
         else:
             with self._autocast():
@@ -510,6 +569,8 @@ class TorchLearner:
             logits = logits / self.cfg.temperature
         logz = torch.logsumexp(logits, dim=-1)
         tok_ids = ids[:, 1:][sel] if fast else ids[:, 1:]
+        if bt is not None:
+            tok_ids = torch.cat([tok_ids, bt])
         tok = logits.gather(-1, tok_ids.unsqueeze(-1)).squeeze(-1) - logz
         ent = None
         if with_entropy:
@@ -517,7 +578,8 @@ class TorchLearner:
                 p = torch.softmax(logits, dim=-1)
                 ent = logz - (p * logits).sum(-1)
         if fast:
-            return self._scatter_rows(tok, ent, sel, ids.shape)
+            out = self._scatter_rows(tok[:n_pol], None if ent is None else ent[:n_pol], sel, ids.shape)
+            return out if bt is None else (*out, tok[n_pol:])
         logp = torch.cat([torch.zeros_like(tok[:, :1]), tok], dim=1)
         if ent is not None:
             ent = torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1)
@@ -670,26 +732,66 @@ class TorchLearner:
         j = len(tally.grad_norms) % n_parts
         return rows[j * len(rows) // n_parts:(j + 1) * len(rows) // n_parts]
 
-    def _train_expert(self, rows: list[tuple[list[int], list[int], int]], coef: float, tally: "_UpdateTally") -> None:
+    def _train_expert(self, rows: list[tuple[list[int], list[int], int]], coef: float, tally: "_UpdateTally",
+                      share: "_ExpertShare | None" = None) -> None:
         """Forward and backward of the expert term over ``rows``: coef x the token-mean NLL of their masked-in
         tokens (the expert's replies), under the model's own distribution (temperature 1, as behaviour cloning),
-        accumulated into the optimizer step's gradients."""
-        denom = sum(sum(m) for _, m, _ in rows)
-        if not rows or denom <= 0:
+        accumulated into the optimizer step's gradients. With ``share``, ``rows`` are what is left of the step's
+        relabels after those its episodes' forwards ran as branches (``_attach_relabels``): the mean is over the
+        whole share's tokens and the stats are the whole share's."""
+        share = share or _ExpertShare(rows=list(rows), denom=sum(sum(m) for _, m, _ in rows))
+        if not share.rows or share.denom <= 0:
             return
-        saved, self.cfg = self.cfg, dataclasses.replace(self.cfg, temperature=1.0)
-        try:
-            parts = self._nll_backward([r[0] for r in rows], [r[1] for r in rows], denom, scale=coef,
-                                       groups=[r[2] for r in rows])
-        finally:
-            self.cfg = saved
-        nll = 0.0
-        for st in parts:
-            nll += st["nll"]
-            tally.n_tokens += st["attended"]
-        for k, v in (("expert_nll", nll), ("expert_samples", float(len(rows))), ("expert_tokens", float(denom)),
-                     ("expert_coef", float(coef))):
+        nll = share.nll
+        if rows:
+            saved, self.cfg = self.cfg, dataclasses.replace(self.cfg, temperature=1.0)
+            try:
+                parts = self._nll_backward([r[0] for r in rows], [r[1] for r in rows], share.denom, scale=coef,
+                                           groups=[r[2] for r in rows])
+            finally:
+                self.cfg = saved
+            for st in parts:
+                nll += st["nll"]
+                tally.n_tokens += st["attended"]
+        for k, v in (("expert_nll", nll), ("expert_samples", float(len(share.rows))),
+                     ("expert_tokens", float(share.denom)), ("expert_coef", float(coef)),
+                     ("expert_branched", float(share.branched))):
             tally.agg.setdefault(k, []).append(v)
+
+    def _can_branch(self) -> bool:
+        """Whether relabels can run as branches of their episodes' forwards (``algo.expert_branches``): one rank,
+        full weights, no checkpointed layers (they drop the cache), a plain output projection at temperature 1
+        (the expert term's), as ``_token_logp``'s positions-only path computes it."""
+        core = getattr(self.model, "module", self.model)
+        return (self.cfg.expert_branches and self.peft is None and not self._ckpt_layers
+                and self._data_parallel_ranks() == 1 and (self.cfg.temperature <= 0 or self.cfg.temperature == 1.0)
+                and not any(getattr(core.config, a, None) for a in _LOGIT_POSTPROCESSING))
+
+    def _attach_relabels(self, batch: "_UpdateBatch", run: list[int],
+                         rows: list[tuple[list[int], list[int], int]]) -> tuple[dict[int, list], list]:
+        """The relabels that can run as branches of a sequence the optimizer step trains (``run``): a relabel's
+        context (its tokens before the expert's reply) must be the start of a sequence of its group, which then
+        serves it (``k: [(P, reply), ...]``); the others, returned second, run as their own sequences."""
+        if not rows or not self._can_branch():
+            return {}, list(rows)
+        p = batch.prepared
+        by_group: dict[int, list[int]] = {}
+        for k in run:
+            by_group.setdefault(batch.traj(k).group_id, []).append(k)
+        attached: dict[int, list[tuple[int, list[int]]]] = {}
+        rest = []
+        for row in rows:
+            ids, mask, g = row
+            P = next((i for i, m in enumerate(mask) if m), len(mask))
+            home = None
+            if 0 < P < len(ids) and all(mask[P:]):
+                home = next((k for k in by_group.get(g, ()) if len(p.seqs[k]) > P and p.seqs[k][:P] == ids[:P]),
+                            None)
+            if home is None:
+                rest.append(row)
+            else:
+                attached.setdefault(home, []).append((P, ids[P:]))
+        return attached, rest
 
     def _nll_backward(self, seqs: list[list[int]], masks: list[list[int]], denom: float, scale: float = 1.0,
                       groups: list[int] | None = None) -> list[dict[str, float]]:
@@ -731,10 +833,18 @@ class TorchLearner:
         if self.critic is not None:
             self.critic.zero_grad()
         run, w_run = self._trained_rows(batch, mini, w_seq, tally)
-        for s, e in self._micro([len(batch.prepared.seqs[k]) for k in run]):
-            self._train_micro_batch(batch, run[s:e], w_run[s:e], tally)
+        share = None
         if batch.expert is not None:
-            self._train_expert(self._expert_share(batch, tally), batch.expert[1], tally)
+            rows = self._expert_share(batch, tally)
+            share = _ExpertShare(rows=rows, denom=sum(sum(m) for _, m, _ in rows))
+            attached, rest = self._attach_relabels(batch, run, rows)
+            share.branched = len(rows) - len(rest)
+        for s, e in self._micro([len(batch.prepared.seqs[k]) for k in run]):
+            branches = None if share is None else [(j, P, reply) for j, k in enumerate(run[s:e])
+                                                   for P, reply in attached.get(k, ())]
+            self._train_micro_batch(batch, run[s:e], w_run[s:e], tally, branches, share)
+        if share is not None:
+            self._train_expert(rest, batch.expert[1], tally, share)
         tally.grad_norms.append(self._step())
         if self.critic is not None:
             tally.critic_norms.append(self.critic.step())
@@ -788,9 +898,12 @@ class TorchLearner:
                 set_recast(m, not on)  # a checkpointed layer's linears take the stock path (cast_linear.set_recast)
 
     def _train_micro_batch(self, batch: "_UpdateBatch", ks: list[int], w_seq: list[float],
-                           tally: "_UpdateTally") -> None:
+                           tally: "_UpdateTally", branches: list[tuple[int, int, list[int]]] | None = None,
+                           share: "_ExpertShare | None" = None) -> None:
         """Forward and backward of the micro-batch ``ks`` (positions in ``Prepared.live``; ``w_seq`` their
-        sequence weights): the clipped policy loss (and the critic's value loss); its stats go to ``tally``."""
+        sequence weights): the clipped policy loss (and the critic's value loss); its stats go to ``tally``. With
+        ``branches`` (``(j, P, reply)``: a relabel of the expert's ``share`` served by the micro-batch's row
+        ``j``), coef x their replies' NLL over the share's tokens joins the loss (``_branch_hidden``)."""
         p = batch.prepared
         ids, att = self._pad([p.seqs[k] for k in ks])
         T = ids.shape[1]
@@ -799,8 +912,9 @@ class TorchLearner:
         adv = self._dev(pad_rows([batch.advantages[p.live[k]] for k in ks], T))
         ref_t = self._dev(pad_rows([p.ref[k] for k in ks], T)) if p.ref is not None and batch.kl_coef else None
         self._checkpoint_for(ids.numel())
-        logp, ent = self._token_logp(self.model, ids, att, with_entropy=True, need=mask.bool(),
-                                     groups=[batch.traj(k).group_id for k in ks])
+        out = self._token_logp(self.model, ids, att, with_entropy=True, need=mask.bool(),
+                               groups=[batch.traj(k).group_id for k in ks], branches=branches or None)
+        logp, ent = out[0], out[1]
         if batch.own_old:
             old_t = logp.detach()
             sampled = self._dev(pad_rows([sampled_mask(batch.traj(k)) for k in ks], T))
@@ -813,7 +927,13 @@ class TorchLearner:
         if ref_t is not None and any(batch.traj(k).expert_demo for k in ks):
             kl_w = weights * self._dev(pad_rows([sampled_mask(batch.traj(k)) for k in ks], T))
         loss, st = policy_loss(logp, old_t, ref_t, adv, weights, self.cfg.clip, batch.kl_coef, kl_weights=kl_w)
-        self._backward(loss)
+        total = loss
+        if branches:  # the expert term of the relabels this micro-batch's rows serve (as _nll_backward's loss)
+            nll = -out[2].sum() / share.denom
+            total = loss + batch.expert[1] * nll
+            share.nll += float(nll.detach())
+            tally.n_tokens += sum(len(reply) - 1 for _, _, reply in branches)
+        self._backward(total)
         st["entropy"] = float((ent * weights).sum()) / tally.weight_share  # token-mean over the trained sequences
         st["loss"] = float(loss.detach())
         if self.critic is not None:
