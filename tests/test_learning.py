@@ -520,7 +520,7 @@ def test_right_padded_rows_run_without_a_mask_with_the_same_logprobs_and_gradien
         base = learner.model.model
         real = base.forward
         if masked:  # the forward as it ran before: the padding mask passed on
-            def with_mask(core, ids, att, learner=learner, real=real):
+            def with_mask(core, ids, att, kv=None, learner=learner, real=real):
                 T = ids.shape[1]
                 ids, att = learner._padded(ids, att, T)
                 return real(input_ids=ids, attention_mask=att).last_hidden_state[:, :T - 1]

@@ -296,8 +296,9 @@ def test_dry_run_counts_adapters_not_full_optimizer_state(tmp_path):
         "architectures": ["Qwen2ForCausalLM"], "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
         "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 32768,
         "tie_word_embeddings": False}))
-    full = dry_run(build_config("babyai", "paper", [f"model.path={d}"]))
-    lora = dry_run(build_config("babyai", "paper", [f"model.path={d}", "model.lora.rank=16"]))
+    bf16 = "model.bf16_autocast=true"  # the plan's precision pinned: it follows the machine otherwise (fp32 on AVX2)
+    full = dry_run(build_config("babyai", "paper", [f"model.path={d}", bf16]))
+    lora = dry_run(build_config("babyai", "paper", [f"model.path={d}", "model.lora.rank=16", bf16]))
     line = next(x for x in lora.lines if x.startswith("memory:"))
     assert "with LoRA" in line and "40.4 M parameters" in line, line  # Qwen2.5-7B, rank 16, all linear layers
     assert lora.memory_bytes < full.memory_bytes / 3

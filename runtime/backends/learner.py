@@ -419,7 +419,7 @@ class TorchLearner:
             blocks = plan_shared_prefixes(seqs, masks, groups, self.cfg.min_shared_prefix)
         blocks = [self._bucket_prefix(b) for b in blocks]
         if not any(b.prefix_len for b in blocks):
-            return self._plain_hidden(core, ids, att, kv)
+            return self._plain_hidden(core, ids, att, kv=kv)
         T = ids.shape[1]
         parts, order = [], []
         for b in blocks:
@@ -428,7 +428,7 @@ class TorchLearner:
             sub_ids, sub_att = ids[rows, :width], att[rows, :width]
             if b.prefix_len == 0:
                 sub_kv = None if kv is None else {}
-                h = self._plain_hidden(core, sub_ids, sub_att, sub_kv)
+                h = self._plain_hidden(core, sub_ids, sub_att, kv=sub_kv)
                 if kv is not None:
                     kv.update({r: sub_kv[j] for j, r in enumerate(rows)})
             else:
