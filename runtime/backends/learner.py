@@ -528,7 +528,7 @@ class TorchLearner:
         ids, att, need = self._dev(ids), self._dev(att), self._dev(need)
         core = getattr(model, "module", model)  # unwrap engine wrappers (DeepSpeed)
         fast = need is not None and not any(getattr(core.config, a, None) for a in _LOGIT_POSTPROCESSING)
-        if branches and not (fast and (self.cfg.temperature <= 0 or self.cfg.temperature == 1.0)):
+        if branches and not (fast and self._branchable_head(core)):
             raise ValueError("relabel branches need the positions-only projection at temperature 1")
         bh = bt = None
         if fast:
@@ -544,7 +544,7 @@ class TorchLearner:
                 dtype = torch.bfloat16 if self.cfg.bf16_autocast else None
                 hs, targets = h[sel], ids[:, 1:][sel]
                 if bh is not None:
-                    hs, targets = torch.cat([hs, bh.to(hs.dtype)]), torch.cat([targets, bt])
+                    hs, targets = torch.cat([hs, bh]), torch.cat([targets, bt])
                 n = hs.shape[0]
                 extra = self._bucket_len(n) - n  # the vocabulary projection's shapes bucketed too: zero rows, sliced
                 if extra:  # off (their log-probs get no gradient, so they add none)
@@ -559,7 +559,7 @@ class TorchLearner:
                 out = self._scatter_rows(tok[:n_pol], None if ent is None else ent[:n_pol], sel, ids.shape)
                 return out if bt is None else (*out, tok[n_pol:n])
             with self._autocast():
-                logits = head(h[sel] if bh is None else torch.cat([h[sel], bh.to(h.dtype)]))
+                logits = head(h[sel] if bh is None else torch.cat([h[sel], bh]))
             logits = logits.float()
         else:
             with self._autocast():
@@ -733,13 +733,12 @@ class TorchLearner:
         return rows[j * len(rows) // n_parts:(j + 1) * len(rows) // n_parts]
 
     def _train_expert(self, rows: list[tuple[list[int], list[int], int]], coef: float, tally: "_UpdateTally",
-                      share: "_ExpertShare | None" = None) -> None:
+                      share: "_ExpertShare") -> None:
         """Forward and backward of the expert term over ``rows``: coef x the token-mean NLL of their masked-in
         tokens (the expert's replies), under the model's own distribution (temperature 1, as behaviour cloning),
-        accumulated into the optimizer step's gradients. With ``share``, ``rows`` are what is left of the step's
-        relabels after those its episodes' forwards ran as branches (``_attach_relabels``): the mean is over the
-        whole share's tokens and the stats are the whole share's."""
-        share = share or _ExpertShare(rows=list(rows), denom=sum(sum(m) for _, m, _ in rows))
+        accumulated into the optimizer step's gradients. ``rows`` are what is left of the step's ``share`` after
+        those its episodes' forwards ran as branches (``_attach_relabels``): the mean is over the whole share's
+        tokens and the stats are the whole share's."""
         if not share.rows or share.denom <= 0:
             return
         nll = share.nll
@@ -762,9 +761,14 @@ class TorchLearner:
         """Whether relabels can run as branches of their episodes' forwards (``algo.expert_branches``): one rank,
         full weights, no checkpointed layers (they drop the cache), a plain output projection at temperature 1
         (the expert term's), as ``_token_logp``'s positions-only path computes it."""
-        core = getattr(self.model, "module", self.model)
         return (self.cfg.expert_branches and self.peft is None and not self._ckpt_layers
-                and self._data_parallel_ranks() == 1 and (self.cfg.temperature <= 0 or self.cfg.temperature == 1.0)
+                and self._data_parallel_ranks() == 1
+                and self._branchable_head(getattr(self.model, "module", self.model)))
+
+    def _branchable_head(self, core) -> bool:
+        """A plain output projection (no logit post-processing) at temperature 1: the policy tokens' projection is
+        then the expert term's too, so branch tokens can share it (``_token_logp``)."""
+        return ((self.cfg.temperature <= 0 or self.cfg.temperature == 1.0)
                 and not any(getattr(core.config, a, None) for a in _LOGIT_POSTPROCESSING))
 
     def _attach_relabels(self, batch: "_UpdateBatch", run: list[int],
@@ -836,9 +840,8 @@ class TorchLearner:
         share = None
         if batch.expert is not None:
             rows = self._expert_share(batch, tally)
-            share = _ExpertShare(rows=rows, denom=sum(sum(m) for _, m, _ in rows))
             attached, rest = self._attach_relabels(batch, run, rows)
-            share.branched = len(rows) - len(rest)
+            share = _ExpertShare(rows=rows, denom=sum(sum(m) for _, m, _ in rows), branched=len(rows) - len(rest))
         for s, e in self._micro([len(batch.prepared.seqs[k]) for k in run]):
             branches = None if share is None else [(j, P, reply) for j, k in enumerate(run[s:e])
                                                    for P, reply in attached.get(k, ())]
