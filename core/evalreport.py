@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from core.evalinput import check_sweep  # noqa: F401  (re-exported: its home was here)
 from core.stats import bootstrap_ci, mcnemar_exact, paired_bootstrap, pass_at_k, pass_ks, wilson_interval
 
 SCHEMA = "scalinginter.eval/1"
@@ -147,19 +148,6 @@ def _by_bucket(per_task: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]
         if r.get("required_turns") is not None:
             out.setdefault(required_turns_bucket(r["required_turns"]), []).append(r)
     return {k: out[k] for k in BUCKETS if k in out}
-
-
-def check_sweep(samples: int, turn_limits: list[int]) -> None:
-    """Refuse a bad sample count or budget list, saying how to fix it."""
-    if samples < 1:
-        raise ValueError(f"--samples must be >= 1 (1 = one greedy episode per task), got {samples}")
-    if not turn_limits:
-        raise ValueError("the turn budget list is empty: pass e.g. --turn-limits 2,4,8")
-    if any(t < 1 for t in turn_limits):
-        raise ValueError(f"turn budgets must be >= 1, got {turn_limits}")
-    if list(turn_limits) != sorted(set(turn_limits)):
-        raise ValueError(f"turn budgets must be strictly increasing without repeats, got "
-                         f"{','.join(map(str, turn_limits))}: pass e.g. {','.join(map(str, sorted(set(turn_limits))))}")
 
 
 def _task_scores(per_task: list[dict[str, Any]]) -> dict[int, tuple[float, bool]]:

@@ -70,14 +70,17 @@ def run(
         typer.echo(f"dry run: {env}{' --preset ' + preset if preset else ''} would start")
         return
     from tasks.resume import check_run_resume
+    from flows.early_api import start_early
     from flows.envcheck import check_env_servers
     from flows.refusal import cli_refusals
-    from flows.scalinginter import scalinginter
 
     with cli_refusals():  # a refusal, here or inside the flows, is one line on stderr (the traceback: the run's log)
         if cfg.run_name and not cfg.checkpoint.s3_block:  # (an S3 block's settings are applied inside the flow)
             check_run_resume(cfg)  # a resume the checkpoint's config refuses: stopped before the flow starts
         check_env_servers(cfg)  # env servers nobody answers, or refused ones: stopped before Prefect starts
+        start_early()  # Prefect's temporary API starts while the flows' imports run (flows/early_api.py)
+        from flows.scalinginter import scalinginter
+
         summary = scalinginter(config=cfg)
     if summary is None:
         raise typer.Exit(1)
@@ -137,13 +140,22 @@ def eval_(
             _fail(f"--turn-limit {turn_limit} is not in --turn-limits {turn_limits}: pass one of them")
     elif turn_limit is not None:
         limits = [turn_limit]
+    from core.evalinput import EvalInputError, check_inputs
+
+    try:  # the sweep's own checks, before anything heavy loads (evaluate() runs them again for its API callers)
+        check_inputs(samples, limits, temperature, split, n)
+    except EvalInputError as e:
+        _fail(str(e))
     try:
         cfg = build_config(env, None, list(set_) + [f"rollout.max_new_tokens={max_new_tokens}"])
     except ConfigError as e:
         _fail(str(e))
     given_options = any(o.split("=", 1)[0].strip().startswith("env.options") for o in set_)
+    from flows.early_api import start_early
+
+    start_early()  # Prefect's temporary API starts while the imports below run (flows/early_api.py)
     from core.evalreport import report_text
-    from flows.evaluate import EvalInputError, evaluate, log_eval, plot_sweep, write_json
+    from flows.evaluate import evaluate, log_eval, plot_sweep, write_json
     from storage.checkpoint_store import CheckpointCorrupted, CheckpointStoreError
 
     import time as _time

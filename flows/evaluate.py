@@ -63,12 +63,10 @@ from typing import Any
 from prefect import flow
 
 from core.config import RunConfig, stored_config
-from core.evalreport import Outcome, build_document, check_sweep, flat_metrics, model_report, report_text
+from core.evalinput import EvalInputError, check_inputs, check_sweep
+from core.evalreport import Outcome, build_document, flat_metrics, model_report, report_text
 from envs.base import task_index
 
-
-class EvalInputError(ValueError):
-    """Bad evaluation input; the message says how to fix it (one line)."""
 
 
 def check_ref(ref: str, what: str = "checkpoint") -> None:
@@ -228,32 +226,7 @@ def _check_sweep(samples: int, turn_limits: list[int]) -> None:
         raise EvalInputError(str(e)) from None
 
 
-def _check_inputs(samples: int, turn_limits: list[int] | None, temperature: float | None, split: str, n: int,
-                      confidence: float) -> float:
-    """Check the inputs that need no model folder: the sweep (the turn budgets when given), the split, the task
-    count, the confidence and the sampling; returns the temperature (None: greedy for one sample, else 1.0)."""
-    from tasks.steps import MAX_EVAL_SAMPLES
-
-    if turn_limits is not None:
-        _check_sweep(samples, turn_limits)
-    elif samples < 1:
-        _check_sweep(samples, [1])
-    if samples > MAX_EVAL_SAMPLES:
-        raise EvalInputError(f"--samples {samples} is more than {MAX_EVAL_SAMPLES}: lower it")
-    if split not in ("test", "train"):
-        raise EvalInputError(f"split must be 'test' or 'train', got {split!r}")
-    if n < 1:
-        raise EvalInputError(f"n must be >= 1 task, got {n}")
-    if not 0 < confidence < 1:
-        raise EvalInputError(f"confidence must be in (0, 1), got {confidence}")
-    if temperature is None:
-        temperature = 0.0 if samples == 1 else 1.0
-    if temperature < 0:
-        raise EvalInputError(f"temperature must be >= 0, got {temperature}")
-    if samples > 1 and temperature == 0:
-        raise EvalInputError(f"--samples {samples} with temperature 0 scores {samples} identical greedy episodes: "
-                             "pass --temperature > 0 (e.g. 1.0) or --samples 1")
-    return temperature
+_check_inputs = check_inputs  # (core.evalinput: the CLI runs the same checks before anything heavy loads)
 
 
 def _model_dirs(cfg: RunConfig, checkpoint_ref: str, compare_ref: str | None) -> dict[str, str]:

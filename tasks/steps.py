@@ -29,6 +29,7 @@ from core.advantages import EstimatorParams, get_estimator, trajectory_advantage
 from core.redact import redact_uri
 from core.chat import ChatFormat
 from core.config import RunConfig
+from core.evalinput import MAX_EVAL_SAMPLES
 from core.metrics import episode_metrics
 from core.seeds import round_seed, step_seed
 from core.trajectory import Trajectory, is_truncated, join_rows, split_rows, turn_samples
@@ -658,7 +659,6 @@ def _eval_session(cfg: RunConfig, model_dir: str):
             close_session(key)
 
 
-MAX_EVAL_SAMPLES = 4096  # an episode's seed key is task_id * MAX_EVAL_SAMPLES + sample
 
 
 @task(name="evaluate-sweep", **TASK_OPTS)
