@@ -151,6 +151,14 @@ def eval_(
     except ConfigError as e:
         _fail(str(e))
     given_options = any(o.split("=", 1)[0].strip().startswith("env.options") for o in set_)
+    from tasks.runs import check_ref
+
+    try:  # a model folder that is not there, or not a model: refused before anything heavy loads
+        check_ref(checkpoint)
+        if compare_ref is not None:
+            check_ref(compare_ref, "--compare checkpoint")
+    except EvalInputError as e:
+        _fail(str(e))
     from flows.early_api import start_early
 
     start_early()  # Prefect's temporary API starts while the imports below run (flows/early_api.py)

@@ -64,25 +64,10 @@ from prefect import flow
 
 from core.config import RunConfig, stored_config
 from core.evalinput import EvalInputError, check_inputs, check_sweep
+from tasks.runs import check_ref
 from core.evalreport import Outcome, build_document, flat_metrics, model_report, report_text
 from envs.base import task_index
 
-
-
-def check_ref(ref: str, what: str = "checkpoint") -> None:
-    """A model reference must be an embedded model, an s3:// URI or a local checkpoint / HF folder."""
-    from runtime.backends.model import EMBEDDED
-    from storage.checkpoint_store import is_s3_uri
-
-    if ref in EMBEDDED or is_s3_uri(ref):
-        return
-    p = Path(ref).expanduser()
-    if not p.exists():
-        raise EvalInputError(f"{what} {ref!r} not found: pass a checkpoint folder (runs/checkpoints/<run>/phase-<k>/"
-                             f"final), an s3:// URI or one of {', '.join(EMBEDDED)}")
-    if not p.is_dir() or not ((p / "manifest.json").exists() or (p / "config.json").exists()):
-        raise EvalInputError(f"{what} {ref!r} is not a checkpoint (no manifest.json or config.json in it): pass a "
-                             f"phase's final/ or step-*/ folder, or a Hugging Face model folder")
 
 
 def trained_config(model_dir: str | Path) -> tuple[RunConfig | None, dict[str, Any]]:

@@ -60,6 +60,23 @@ def make_tracker(cfg: RunConfig) -> Tracker:
     return Tracker(uri, cfg.tracking.experiment, artifact_root=Path(cfg.output_dir).resolve() / "mlartifacts")
 
 
+def check_ref(ref: str, what: str = "checkpoint") -> None:
+    """A model reference must be an embedded model, an s3:// URI or a local checkpoint / HF folder (checked by
+    ``scalinginter eval`` before anything heavy loads, and by ``flows.evaluate.evaluate``); raises EvalInputError."""
+    from core.evalinput import EvalInputError
+    from runtime.backends.model import EMBEDDED
+
+    if ref in EMBEDDED or is_s3_uri(ref):
+        return
+    p = Path(ref).expanduser()
+    if not p.exists():
+        raise EvalInputError(f"{what} {ref!r} not found: pass a checkpoint folder (runs/checkpoints/<run>/phase-<k>/"
+                             f"final), an s3:// URI or one of {', '.join(EMBEDDED)}")
+    if not p.is_dir() or not ((p / "manifest.json").exists() or (p / "config.json").exists()):
+        raise EvalInputError(f"{what} {ref!r} is not a checkpoint (no manifest.json or config.json in it): pass a "
+                             f"phase's final/ or step-*/ folder, or a Hugging Face model folder")
+
+
 def local_model_dir(cfg: RunConfig, ref: str) -> str:
     """A local HF folder for a model reference or a checkpoint URI. A checkpoint (local or S3) is verified against
     its manifest — sizes and sha256 of every file — on every load: a damaged file raises CheckpointCorrupted
