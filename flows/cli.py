@@ -78,9 +78,10 @@ def run(
         if cfg.run_name and not cfg.checkpoint.s3_block:  # (an S3 block's settings are applied inside the flow)
             check_run_resume(cfg)  # a resume the checkpoint's config refuses: stopped before the flow starts
         check_env_servers(cfg)  # env servers nobody answers, or refused ones: stopped before Prefect starts
-        start_early()  # Prefect's temporary API starts while the flows' imports run (flows/early_api.py)
-        from flows.scalinginter import scalinginter
+    start_early()  # Prefect's temporary API starts while the flows' imports run (flows/early_api.py)
+    from flows.scalinginter import scalinginter
 
+    with cli_refusals():  # (entered after the import: it filters the Prefect console handlers that exist then)
         summary = scalinginter(config=cfg)
     if summary is None:
         raise typer.Exit(1)

@@ -156,7 +156,7 @@ def evaluate(cfg: RunConfig, checkpoint_ref: str, split: str = "test", n: int = 
     Raises ``EvalInputError`` (one line, with the fix) on bad input."""
     if turn_limits is not None:
         turn_limits = [int(t) for t in turn_limits]
-    temperature = _check_inputs(samples, turn_limits, temperature, split, n, confidence)
+    temperature = check_inputs(samples, turn_limits, temperature, split, n, confidence)
     check_ref(checkpoint_ref)
     if compare_ref is not None:
         check_ref(compare_ref, "--compare checkpoint")
@@ -209,9 +209,6 @@ def _check_sweep(samples: int, turn_limits: list[int]) -> None:
         check_sweep(samples, turn_limits)
     except ValueError as e:
         raise EvalInputError(str(e)) from None
-
-
-_check_inputs = check_inputs  # (core.evalinput: the CLI runs the same checks before anything heavy loads)
 
 
 def _model_dirs(cfg: RunConfig, checkpoint_ref: str, compare_ref: str | None) -> dict[str, str]:
