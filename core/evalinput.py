@@ -12,15 +12,15 @@ class EvalInputError(ValueError):
 
 
 def check_sweep(samples: int, turn_limits: list[int]) -> None:
-    """Refuse a bad sample count or budget list, saying how to fix it (ValueError)."""
+    """Refuse a bad sample count or budget list, saying how to fix it (EvalInputError, a ValueError)."""
     if samples < 1:
-        raise ValueError(f"--samples must be >= 1 (1 = one greedy episode per task), got {samples}")
+        raise EvalInputError(f"--samples must be >= 1 (1 = one greedy episode per task), got {samples}")
     if not turn_limits:
-        raise ValueError("the turn budget list is empty: pass e.g. --turn-limits 2,4,8")
+        raise EvalInputError("the turn budget list is empty: pass e.g. --turn-limits 2,4,8")
     if any(t < 1 for t in turn_limits):
-        raise ValueError(f"turn budgets must be >= 1, got {turn_limits}")
+        raise EvalInputError(f"turn budgets must be >= 1, got {turn_limits}")
     if list(turn_limits) != sorted(set(turn_limits)):
-        raise ValueError(f"turn budgets must be strictly increasing without repeats, got "
+        raise EvalInputError(f"turn budgets must be strictly increasing without repeats, got "
                          f"{','.join(map(str, turn_limits))}: pass e.g. {','.join(map(str, sorted(set(turn_limits))))}")
 
 
@@ -29,10 +29,7 @@ def check_inputs(samples: int, turn_limits: list[int] | None, temperature: float
     """Check the inputs that need no model folder: the sweep (the turn budgets when given), the split, the task
     count, the confidence and the sampling; returns the temperature (None: greedy for one sample, else 1.0).
     Raises EvalInputError."""
-    try:
-        check_sweep(samples, turn_limits if turn_limits is not None else [1])
-    except ValueError as e:
-        raise EvalInputError(str(e)) from None
+    check_sweep(samples, turn_limits if turn_limits is not None else [1])
     if samples > MAX_EVAL_SAMPLES:
         raise EvalInputError(f"--samples {samples} is more than {MAX_EVAL_SAMPLES}: lower it")
     if split not in ("test", "train"):

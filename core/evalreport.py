@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from core.evalinput import check_sweep  # noqa: F401  (re-exported: its home was here)
+from core.evalinput import check_sweep
 from core.stats import bootstrap_ci, mcnemar_exact, paired_bootstrap, pass_at_k, pass_ks, wilson_interval
 
 SCHEMA = "scalinginter.eval/1"

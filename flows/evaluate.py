@@ -64,10 +64,9 @@ from prefect import flow
 
 from core.config import RunConfig, stored_config
 from core.evalinput import EvalInputError, check_inputs, check_sweep
-from tasks.runs import check_ref
 from core.evalreport import Outcome, build_document, flat_metrics, model_report, report_text
 from envs.base import task_index
-
+from tasks.runs import check_ref
 
 
 def trained_config(model_dir: str | Path) -> tuple[RunConfig | None, dict[str, Any]]:
@@ -168,7 +167,7 @@ def evaluate(cfg: RunConfig, checkpoint_ref: str, split: str = "test", n: int = 
     trained, state = trained_config(model_dirs["model"])
     if turn_limits is None:
         turn_limits = [int(state.get("turn_limit") or cfg.eval_turn_limit)]
-        _check_sweep(samples, turn_limits)
+        check_sweep(samples, turn_limits)
     if cfg.rollout.history_turns is None and trained is not None and trained.rollout.history_turns is not None:
         # a checkpoint trained with a history window is scored with the prompts it learned from
         cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(
@@ -202,13 +201,6 @@ def evaluate(cfg: RunConfig, checkpoint_ref: str, split: str = "test", n: int = 
     for name, sw in sweeps.items():
         doc["models"][name]["engine"] = sw["stats"]
     return doc
-
-
-def _check_sweep(samples: int, turn_limits: list[int]) -> None:
-    try:
-        check_sweep(samples, turn_limits)
-    except ValueError as e:
-        raise EvalInputError(str(e)) from None
 
 
 def _model_dirs(cfg: RunConfig, checkpoint_ref: str, compare_ref: str | None) -> dict[str, str]:

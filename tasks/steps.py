@@ -659,8 +659,6 @@ def _eval_session(cfg: RunConfig, model_dir: str):
             close_session(key)
 
 
-
-
 @task(name="evaluate-sweep", **TASK_OPTS)
 @timed("evaluation")
 def evaluate_sweep(key: str, urls: list[str], task_ids: list[int], turn_limits: list[int], samples: int,

@@ -9,7 +9,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = r"""
-import sys, time
 from flows.early_api import start_early
 thread = start_early()
 assert thread is not None and thread.is_alive(), thread  # the server boots while this process goes on

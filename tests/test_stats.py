@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from core.evalreport import Outcome, build_document, check_sweep, flat_metrics, model_report, paired_test, report_text
+from core.evalinput import check_sweep
+from core.evalreport import Outcome, build_document, flat_metrics, model_report, paired_test, report_text
 from core.stats import bootstrap_ci, mcnemar_exact, paired_bootstrap, pass_at_k, pass_ks, wilson_interval
 
 
