@@ -2,17 +2,21 @@
 
 Uses ``MlflowClient`` with explicit run ids (no global active-run state), so it is safe from Prefect's
 task threads. Default store: local sqlite under the run's output dir; ``MLFLOW_TRACKING_URI`` or the
-config's ``tracking.uri`` override it.
+config's ``tracking.uri`` override it. A new sqlite store starts as a copy of an empty one made once per MLflow
+version in the cache dir (``seed_sqlite_store``): MLflow would otherwise run its whole migration history on each
+new file, 2-4 s of every run with a new output dir on a 2-core machine.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 from core.records import unlogged
+from envs.cache import cache_root
 
 
 def default_tracking_uri(output_dir: str | Path, configured: str | None = None) -> str:
@@ -23,6 +27,55 @@ def default_tracking_uri(output_dir: str | Path, configured: str | None = None) 
     db = Path(output_dir).resolve() / "mlflow.db"
     db.parent.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{db}"
+
+
+def seed_sqlite_store(uri: str) -> bool:
+    """Where ``uri`` names a local sqlite file that does not exist yet, create it as a copy of an empty MLflow store
+    (its tables migrated to this MLflow's schema, no experiment: MLflow adds its default one on first use, with
+    this store's own artifact location). The empty store is made once per MLflow version under
+    ``$SCALINGINTER_CACHE/mlflow``. Returns whether it seeded the file; on any failure it leaves the file absent
+    and MLflow creates it as it would have."""
+    if not uri.startswith("sqlite:///") or "?" in uri:
+        return False
+    db = Path(uri[len("sqlite:///"):])
+    if not db.is_absolute() or db.exists() or not db.parent.is_dir():
+        return False
+    try:
+        template = _empty_store()
+        tmp = db.with_name(f".{db.name}.{os.getpid()}.seed")
+        shutil.copyfile(template, tmp)
+        try:
+            os.link(tmp, db)  # never over a store another process created meanwhile
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink(missing_ok=True)
+        return True
+    except Exception:  # noqa: BLE001  (a speed-up only: MLflow makes the store itself)
+        return False
+
+
+def _empty_store() -> Path:
+    """The cached empty store of this MLflow version, made when missing (atomically: a process that races
+    another one keeps whichever file landed)."""
+    import mlflow
+    import sqlalchemy
+    from mlflow.store.db.utils import _initialize_tables
+
+    root = cache_root() / "mlflow"
+    path = root / f"empty-store-mlflow-{mlflow.__version__}.db"
+    if path.exists():
+        return path
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{path.name}.{os.getpid()}.tmp"
+    tmp.unlink(missing_ok=True)
+    engine = sqlalchemy.create_engine(f"sqlite:///{tmp}")
+    try:
+        _initialize_tables(engine)  # what MLflow runs on a new database: the tables and every migration
+    finally:
+        engine.dispose()
+    os.replace(tmp, path)
+    return path
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -46,6 +99,7 @@ class Tracker:
         logging.getLogger("alembic").setLevel(logging.WARNING)
         logging.getLogger("mlflow").setLevel(logging.WARNING)
         self.uri = uri
+        seed_sqlite_store(uri)
         self.client = MlflowClient(tracking_uri=uri)
         self._logged: dict[tuple[str, str], set[int]] = {}  # (run, metric) -> steps with a value (log_metrics_once)
         exp = self.client.get_experiment_by_name(experiment)

@@ -15,6 +15,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
+from tests import sharedapi  # noqa: E402
+
+
+def pytest_collection_finish(session):
+    """One Prefect API server for the session's CLI runs, when some collected test starts the CLI
+    (tests/sharedapi.py)."""
+    sharedapi.start(str(item.path) for item in session.items)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    sharedapi.stop()
+
 
 @pytest.fixture(scope="session")
 def toy_policy(tmp_path_factory):
@@ -33,7 +45,8 @@ def tiny_babyai_run(tmp_path_factory):
     from tests.clirun import cli
 
     out = tmp_path_factory.mktemp("e2e")
-    p = cli("run", "babyai", "--preset", "tiny", "--set", f"output_dir={out}", "--run-name", "e2e", cwd=out)
+    p = cli("run", "babyai", "--preset", "tiny", "--set", f"output_dir={out}", "--run-name", "e2e", cwd=out,
+            own_api=True)  # the README's path: Prefect's temporary server, started while the command imports
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     yield out, p.stdout + p.stderr
     import shutil
