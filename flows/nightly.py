@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow
+from prefect.runtime import flow_run
 from prefect.states import Completed, Failed, State
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -183,7 +184,8 @@ def nightly_eval(env: str = "babyai", settings: NightlySettings = NightlySetting
         "turn_limit": turn_limit, "max_new_tokens": max_new, "metric": s.metric, "tolerance": s.tolerance,
         "alpha": s.alpha, "seed": s.seed},
         tags={"env": env, "model_version": str(mv.version), "regression": str(verdict.regressed).lower(),
-              "eval.key": key_, "eval.successes": encode_successes(successes)[:5000]})
+              "eval.key": key_, "eval.successes": encode_successes(successes)[:5000],
+              "prefect.flow_run_id": str(flow_run.id or "")})
     tracker.log_metrics(run_id, metrics, step=0)
     tracker.log_text(run_id, json.dumps(doc, indent=2, allow_nan=False), "eval/eval.json")
     tracker.end_run(run_id, "FINISHED")

@@ -13,6 +13,7 @@ run against a server of the caller's), nothing starts.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -65,9 +66,13 @@ def own_api_env(env: dict[str, str]) -> dict[str, str]:
 
 
 def stop() -> None:
+    """Stop the shared server, and any temporary server an in-process flow of the session started: here, while
+    pytest's output is open, not in Prefect's exit hook, whose log line would then hit a closed stream."""
     global _server, _url
-    if _server is not None:
-        if os.environ.get("PREFECT_API_URL") == _url:
-            del os.environ["PREFECT_API_URL"]
-        _server.stop()
-        _server, _url = None, None
+    if _server is not None and os.environ.get("PREFECT_API_URL") == _url:
+        del os.environ["PREFECT_API_URL"]
+    _server, _url = None, None
+    mod = sys.modules.get("prefect.server.api.server")
+    if mod is not None:
+        for server in list(mod.SubprocessASGIServer._instances.values()):
+            server.stop()
