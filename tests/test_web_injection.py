@@ -118,7 +118,8 @@ def test_goto_with_dot_segments_and_quotes_runs_no_script_and_stays_on_site(web_
             assert h.get(f"{base}/").status_code == 200
             assert h.get(f"{origin}/e/x'><script>alert(1)</script>/{site}/").status_code == 404
             assert h.get(f"{origin}/e/0123456789ab/{site}/").status_code == 404
-            assert h.get(f"{origin}/e/{key.upper()}/{site}/").status_code == 404
+            if key.upper() != key:  # an all-digit key (p ~ 0.4 %) has no other case to try
+                assert h.get(f"{origin}/e/{key.upper()}/{site}/").status_code == 404
         client.close(env_id)
 
 
