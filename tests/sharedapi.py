@@ -18,8 +18,7 @@ import threading
 from pathlib import Path
 
 OFF_ENV = "SCALINGINTER_TEST_SHARED_API"
-_server = None
-_url: str | None = None  # set once the shared server answered
+_url: str | None = None  # the shared server's API URL, set once it answered
 
 
 def runs_the_cli(test_file: Path) -> bool:
@@ -44,7 +43,7 @@ def start(test_files) -> threading.Thread | None:
 
 
 def _boot() -> None:
-    global _server, _url
+    global _url
     try:
         from prefect.server.api.server import SubprocessASGIServer
 
@@ -53,7 +52,7 @@ def _boot() -> None:
     except Exception as e:  # noqa: BLE001  (each CLI run then boots its own server, as without this)
         print(f"tests: no shared Prefect API ({type(e).__name__}: {e}); each CLI run starts its own")
         return
-    _server, _url = server, server.api_url
+    _url = server.api_url
     os.environ["PREFECT_API_URL"] = _url
 
 
@@ -68,10 +67,10 @@ def own_api_env(env: dict[str, str]) -> dict[str, str]:
 def stop() -> None:
     """Stop the shared server, and any temporary server an in-process flow of the session started: here, while
     pytest's output is open, not in Prefect's exit hook, whose log line would then hit a closed stream."""
-    global _server, _url
-    if _server is not None and os.environ.get("PREFECT_API_URL") == _url:
+    global _url
+    if _url is not None and os.environ.get("PREFECT_API_URL") == _url:
         del os.environ["PREFECT_API_URL"]
-    _server, _url = None, None
+    _url = None
     mod = sys.modules.get("prefect.server.api.server")
     if mod is not None:
         for server in list(mod.SubprocessASGIServer._instances.values()):
