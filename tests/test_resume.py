@@ -19,12 +19,15 @@ ROOT = Path(__file__).resolve().parents[1]
 SETS = ["rollout.samples_per_task=4", "algo.lr=1e-3", "tracking.log_trajectories=0"]
 
 
-def cli(out, model, name, *extra, fault_after: int | None = None):
+def cli(out, model, name, *extra, fault_after: int | None = None, popen: bool = False):
     cmd = toy_run_cmd(out, model, name, SETS) + list(extra)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("SCALINGINTER_FAULT_AFTER_STEP", None)
     if fault_after is not None:  # the test-only fault hook (not a config key)
         env["SCALINGINTER_FAULT_AFTER_STEP"] = str(fault_after)
+    if popen:  # the output to out/NAME.log (a pipe nobody reads until the end could fill and stall the run)
+        with open(out / f"{name}.log", "w") as log:
+            return subprocess.Popen(cmd, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT)
     return subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=900)
 
 
@@ -40,7 +43,7 @@ VLLM_ASYNC = ["--set", "rollout.backend=vllm", "--set", "rollout.vllm_dtype=floa
 
 @pytest.mark.slow
 def test_killed_run_resumes_exactly(tmp_path, toy_policy):
-    _killed_run_resumes_exactly(tmp_path, toy_policy)
+    _killed_run_resumes_exactly(tmp_path, toy_policy, beside=True)
 
 
 @pytest.mark.slow
@@ -54,7 +57,12 @@ def test_killed_async_vllm_run_resumes_exactly(tmp_path, toy_policy):
     _killed_run_resumes_exactly(tmp_path, toy_policy, *VLLM_ASYNC)
 
 
-def _killed_run_resumes_exactly(tmp_path, model, *extra):
+def _killed_run_resumes_exactly(tmp_path, model, *extra, beside: bool = False):
+    """``beside``: the uninterrupted run in its own folder while the other is killed and resumed (not for the async
+    vLLM rollout, whose engine steps follow timing: two CPU engines at once would change what is measured)."""
+    wdir = tmp_path / "w" if beside else tmp_path
+    wdir.mkdir(exist_ok=True)
+    whole = cli(wdir, model, "whole", *extra, popen=True) if beside else None
     p = cli(tmp_path, model, "cut", *extra, fault_after=2)
     assert p.returncode != 0 and "fault injection" in (p.stdout + p.stderr)
     assert steps_logged(tmp_path, "cut") == [1, 2]
@@ -70,17 +78,24 @@ def _killed_run_resumes_exactly(tmp_path, model, *extra):
     assert "phase 2: resuming after step 1/2" in log
     assert steps_logged(tmp_path, "cut") == [1, 2, 3]  # phase 1 not recomputed, no step repeated
 
-    p = cli(tmp_path, model, "whole", *extra)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    if whole is None:
+        p = cli(wdir, model, "whole", *extra)
+        assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    else:
+        try:
+            whole.wait(timeout=900)
+        finally:
+            whole.kill()
+        assert whole.returncode == 0, (wdir / "whole.log").read_text()[-3000:]
     state = json.loads((tmp_path / "checkpoints" / "cut" / "phase-2" / "final" / "trainer_state.json").read_text())
     assert state["global_step"] == 3 and state["phase_step"] == 2 and state["turn_limit"] == 2
     # same data position and RNG: the resumed step sampled exactly the tokens the uninterrupted run sampled
     a = pq.read_table(tmp_path / "cut" / "rollouts" / "step-000003.parquet").to_pylist()
-    b = pq.read_table(tmp_path / "whole" / "rollouts" / "step-000003.parquet").to_pylist()
+    b = pq.read_table(wdir / "whole" / "rollouts" / "step-000003.parquet").to_pylist()
     assert [r["task_id"] for r in a] == [r["task_id"] for r in b]
     assert [r["token_ids"] for r in a] == [r["token_ids"] for r in b]
     wa = load_file(tmp_path / "checkpoints" / "cut" / "phase-2" / "final" / "model.safetensors")
-    wb = load_file(tmp_path / "checkpoints" / "whole" / "phase-2" / "final" / "model.safetensors")
+    wb = load_file(wdir / "checkpoints" / "whole" / "phase-2" / "final" / "model.safetensors")
     assert wa.keys() == wb.keys()
     for k in wa:
         assert torch.equal(wa[k], wb[k]), k
