@@ -3,23 +3,12 @@ with a second checkpoint on the same tasks and seeds; the JSON, the PNG and the 
 fails with one line that says the fix."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def cli(*args, cwd, timeout=600):
-    exe = Path(sys.executable).with_name("scalinginter")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "flows.cli"]
-    # a loaded shared machine can take longer than Prefect's 20 s to start its ephemeral API server
-    env = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300", **os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run(cmd + list(args), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+from tests.clirun import cli
 
 
 def base_dir() -> Path:
