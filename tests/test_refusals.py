@@ -28,6 +28,15 @@ def cli(*args: str, cwd: Path, env: dict | None = None, timeout: float = 600) ->
     return subprocess.run(cmd + list(args), cwd=cwd, env=full, capture_output=True, text=True, timeout=timeout)
 
 
+def side_by_side(*commands: tuple[str, ...], cwd: Path) -> list[subprocess.CompletedProcess]:
+    """``cli(*command)`` for each command at the same time (independent processes: their start-ups overlap); the
+    finished processes in the commands' order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(commands)) as pool:
+        return list(pool.map(lambda c: cli(*c, cwd=cwd), commands))
+
+
 def failing_agentgym_app():
     """An AgentGym-style server that is up (``GET /``, ``/create``) but answers every reset with an error payload,
     as a server whose game cannot load does: every episode is masked."""
@@ -184,14 +193,16 @@ def test_refusals_from_inside_the_flows_are_one_line(tmp_path, tiny_model):
             "--set", "rollout.tasks_per_step=1", "--set", "rollout.samples_per_task=2", "--set", "eval.n=2",
             "--set", "rollout.max_new_tokens=4", "--set", "rollout.token_budget=512", "--set",
             f"output_dir={tmp_path / 'runs'}"]
-    with serve(failing_agentgym_app()) as url:
-        p = cli("run", "babyai", "--run-name", "masked", *base, "--set", f"model.path={tiny_model}",
-                "--set", "env.dialect=agentgym", "--set", f"env.url={url}", cwd=tmp_path)
+    with serve(failing_agentgym_app()) as url:  # the two runs side by side, each with its own output folder
+        p, nomodel = side_by_side(
+            ("run", "babyai", "--run-name", "masked", *base, "--set", f"model.path={tiny_model}",
+             "--set", "env.dialect=agentgym", "--set", f"env.url={url}"),
+            ("run", "toy", "--run-name", "nomodel", *base, "--set", "model.path=/no/such/model",
+             "--set", "eval.before=false", "--set", f"output_dir={tmp_path / 'runs-nomodel'}"),
+            cwd=tmp_path)
     line = assert_one_line(p, "every one of the 2 evaluation episodes", 14)
     assert "could not build the level" in line, line
     log = (tmp_path / "runs" / "masked" / "engine.log").read_text()
     assert "Traceback" in log and "Refusal" in log  # the traceback is in the run's log
-    p = cli("run", "toy", "--run-name", "nomodel", *base, "--set", "model.path=/no/such/model",
-            "--set", "eval.before=false", cwd=tmp_path)
-    assert_one_line(p, "model '/no/such/model' not found", 14)
-    assert "Traceback" in (tmp_path / "runs" / "nomodel" / "engine.log").read_text()
+    assert_one_line(nomodel, "model '/no/such/model' not found", 14)
+    assert "Traceback" in (tmp_path / "runs-nomodel" / "nomodel" / "engine.log").read_text()
