@@ -42,11 +42,12 @@ def steps_logged(out, name):
             map(json.loads, (out / name / "metrics.jsonl").read_text().splitlines())]
 
 
-def test_ppo_gated_run_killed_and_resumed_ends_like_an_uninterrupted_one(tmp_path, toy_policy):
+def test_ppo_gated_run_killed_and_resumed_ends_like_an_uninterrupted_one(tmp_path, toy_policy, request):
     # the uninterrupted run, in its own output folder, while the other is killed and resumed (the two are
-    # independent processes: their results may not depend on what else runs)
+    # independent processes: their results may not depend on what else runs); stopped if the test stops first
     (tmp_path / "w").mkdir()
     whole = cli(tmp_path / "w", toy_policy, "whole", popen=True)
+    request.addfinalizer(whole.terminate)
     p = cli(tmp_path, toy_policy, "cut", fault_after=1)
     assert p.returncode != 0 and "fault injection" in (p.stdout + p.stderr)
     assert steps_logged(tmp_path, "cut") == [(1, 1)]
@@ -77,10 +78,7 @@ def test_ppo_gated_run_killed_and_resumed_ends_like_an_uninterrupted_one(tmp_pat
     assert phase1 and phase1[0].data.tags["scalinginter.phase_1.end"] == f"{s1['gate_reason']} at step {len(p1)}"
     assert phase1[0].data.metrics["train/critic_grad_norm"] > 0
 
-    try:
-        whole.wait(timeout=900)
-    finally:
-        whole.kill()
+    whole.wait(timeout=900)
     assert whole.returncode == 0, (tmp_path / "w" / "whole.log").read_text()[-3000:]
     assert steps_logged(tmp_path / "w", "whole") == steps_logged(tmp_path, "cut")
     wa = load_file(ck / "phase-2" / "final" / "model.safetensors")

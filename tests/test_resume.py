@@ -42,8 +42,8 @@ VLLM_ASYNC = ["--set", "rollout.backend=vllm", "--set", "rollout.vllm_dtype=floa
 
 
 @pytest.mark.slow
-def test_killed_run_resumes_exactly(tmp_path, toy_policy):
-    _killed_run_resumes_exactly(tmp_path, toy_policy, beside=True)
+def test_killed_run_resumes_exactly(tmp_path, toy_policy, request):
+    _killed_run_resumes_exactly(tmp_path, toy_policy, beside=request)
 
 
 @pytest.mark.slow
@@ -57,12 +57,16 @@ def test_killed_async_vllm_run_resumes_exactly(tmp_path, toy_policy):
     _killed_run_resumes_exactly(tmp_path, toy_policy, *VLLM_ASYNC)
 
 
-def _killed_run_resumes_exactly(tmp_path, model, *extra, beside: bool = False):
-    """``beside``: the uninterrupted run in its own folder while the other is killed and resumed (not for the async
-    vLLM rollout, whose engine steps follow timing: two CPU engines at once would change what is measured)."""
+def _killed_run_resumes_exactly(tmp_path, model, *extra, beside: pytest.FixtureRequest | None = None):
+    """``beside`` (the test's request, which stops it if the test stops first): the uninterrupted run in its own
+    folder while the other is killed and resumed. Not for the async vLLM rollout, whose engine steps follow timing:
+    two CPU engines at once would change what is measured."""
     wdir = tmp_path / "w" if beside else tmp_path
     wdir.mkdir(exist_ok=True)
-    whole = cli(wdir, model, "whole", *extra, popen=True) if beside else None
+    whole = None
+    if beside is not None:
+        whole = cli(wdir, model, "whole", *extra, popen=True)
+        beside.addfinalizer(whole.terminate)
     p = cli(tmp_path, model, "cut", *extra, fault_after=2)
     assert p.returncode != 0 and "fault injection" in (p.stdout + p.stderr)
     assert steps_logged(tmp_path, "cut") == [1, 2]
@@ -82,10 +86,7 @@ def _killed_run_resumes_exactly(tmp_path, model, *extra, beside: bool = False):
         p = cli(wdir, model, "whole", *extra)
         assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     else:
-        try:
-            whole.wait(timeout=900)
-        finally:
-            whole.kill()
+        whole.wait(timeout=900)
         assert whole.returncode == 0, (wdir / "whole.log").read_text()[-3000:]
     state = json.loads((tmp_path / "checkpoints" / "cut" / "phase-2" / "final" / "trainer_state.json").read_text())
     assert state["global_step"] == 3 and state["phase_step"] == 2 and state["turn_limit"] == 2
