@@ -26,3 +26,27 @@ def cli(*args: str, cwd: Path, timeout: int = 900, popen: bool = False, own_api:
     if popen:
         return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def side_by_side(*commands: tuple[str, ...], cwd: Path, run=cli) -> list[subprocess.CompletedProcess]:
+    """``run(*command, cwd=cwd)`` for each command at the same time (independent processes: their start-ups
+    overlap); the finished processes in the commands' order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(commands)) as pool:
+        return list(pool.map(lambda c: run(*c, cwd=cwd), commands))
+
+
+def background(cmd: list[str], *, cwd: Path, env: dict[str, str], log: Path, request) -> subprocess.Popen:
+    """``cmd`` started beside the test, its output to ``log`` (a pipe nobody reads until the end could fill and
+    stall it); stopped when the test ends (``request``: the test's pytest request) if it still runs."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT)
+    request.addfinalizer(proc.terminate)
+    return proc
+
+
+def finished(proc: subprocess.Popen, log: Path, timeout: int = 900) -> None:
+    """Wait for a ``background`` process; it must exit 0 (else the end of its log is the failure message)."""
+    proc.wait(timeout=timeout)
+    assert proc.returncode == 0, log.read_text()[-3000:]

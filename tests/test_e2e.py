@@ -3,13 +3,12 @@ SmolLM2-135M on CPU, MLflow sqlite, local checkpoints) on a tiny budget; then we
 
 import json
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tests.clirun import cli
+from tests.clirun import cli, side_by_side
 
 RUN = "e2e"
 
@@ -108,20 +107,18 @@ def test_rerun_same_name_skips_finished_phases_and_eval_cli(run_dir):
     js = out / "eval.json"
     # the re-run and an evaluation of the phase-2 final it finds, side by side (the re-run only registers it;
     # the evaluation keeps its records under its own output folder)
-    with ThreadPoolExecutor(2) as pool:
-        rerun = pool.submit(cli, "run", "babyai", "--preset", "tiny", "--set", f"output_dir={out}", "--run-name", RUN,
-                            cwd=out)
-        evaluation = pool.submit(cli, "eval", str(final), "babyai", "--split", "test", "--n", "2", "--turn-limit",
-                                 "2", "--max-new-tokens", "12", "--json", str(js), "--set",
-                                 f"output_dir={out / 'eval-runs'}", cwd=out)
-        p = rerun.result()
+    p, evaluation = side_by_side(
+        ("run", "babyai", "--preset", "tiny", "--set", f"output_dir={out}", "--run-name", RUN),
+        ("eval", str(final), "babyai", "--split", "test", "--n", "2", "--turn-limit", "2", "--max-new-tokens", "12",
+         "--json", str(js), "--set", f"output_dir={out / 'eval-runs'}"),
+        cwd=out)
     assert p.returncode == 0, p.stderr[-2000:]
     log = p.stdout + p.stderr
     assert "phase 1: final checkpoint exists" in log and "phase 2: final checkpoint exists" in log
     assert "phase 2: registered" in log and "phase 1: registered" not in log  # only the missing one
     phase2 = [v for v in client.search_model_versions("name='scalinginter-babyai'") if v.tags.get("phase") == "2"]
     assert len(phase2) == 1 and phase2[0].tags["scalinginter.checkpoint_uri"].endswith("phase-2/final")
-    p = evaluation.result()
+    p = evaluation
     assert p.returncode == 0, p.stderr[-2000:]
     doc = json.loads(js.read_text())  # the evaluation document (schema scalinginter.eval/1, flows/evaluate.py)
     m = doc["models"]["model"]["budgets"]["2"]["overall"]

@@ -13,11 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.clirun import background, finished
+
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = '[{"turn_limit": 1, "steps": 3}, {"turn_limit": 2, "steps": 2}]'
 
 
-def cli(out, model, name, *extra, fault_after: int | None = None, popen: bool = False):
+def command(out, model, name, *extra, fault_after: int | None = None) -> tuple[list[str], dict[str, str]]:
+    """The toy PPO + gated run ``name`` in ``out``: its command line and environment."""
     exe = Path(sys.executable).with_name("scalinginter")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "flows.cli"]
     sets = [f"model.path={model}", "rollout.backend=transformers", "algo.estimator=ppo", "algo.lr=1e-3",
@@ -31,9 +34,11 @@ def cli(out, model, name, *extra, fault_after: int | None = None, popen: bool = 
     env.pop("SCALINGINTER_FAULT_AFTER_STEP", None)
     if fault_after is not None:  # the test-only fault hook (not a config key)
         env["SCALINGINTER_FAULT_AFTER_STEP"] = str(fault_after)
-    if popen:  # the output to out/NAME.log (a pipe nobody reads until the end could fill and stall the run)
-        with open(out / f"{name}.log", "w") as log:
-            return subprocess.Popen(cmd, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return cmd, env
+
+
+def cli(out, model, name, *extra, fault_after: int | None = None):
+    cmd, env = command(out, model, name, *extra, fault_after=fault_after)
     return subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=900)
 
 
@@ -45,9 +50,10 @@ def steps_logged(out, name):
 def test_ppo_gated_run_killed_and_resumed_ends_like_an_uninterrupted_one(tmp_path, toy_policy, request):
     # the uninterrupted run, in its own output folder, while the other is killed and resumed (the two are
     # independent processes: their results may not depend on what else runs); stopped if the test stops first
-    (tmp_path / "w").mkdir()
-    whole = cli(tmp_path / "w", toy_policy, "whole", popen=True)
-    request.addfinalizer(whole.terminate)
+    wdir = tmp_path / "w"
+    wdir.mkdir()
+    cmd, env = command(wdir, toy_policy, "whole")
+    whole = background(cmd, cwd=wdir, env=env, log=wdir / "whole.log", request=request)
     p = cli(tmp_path, toy_policy, "cut", fault_after=1)
     assert p.returncode != 0 and "fault injection" in (p.stdout + p.stderr)
     assert steps_logged(tmp_path, "cut") == [(1, 1)]
@@ -78,16 +84,15 @@ def test_ppo_gated_run_killed_and_resumed_ends_like_an_uninterrupted_one(tmp_pat
     assert phase1 and phase1[0].data.tags["scalinginter.phase_1.end"] == f"{s1['gate_reason']} at step {len(p1)}"
     assert phase1[0].data.metrics["train/critic_grad_norm"] > 0
 
-    whole.wait(timeout=900)
-    assert whole.returncode == 0, (tmp_path / "w" / "whole.log").read_text()[-3000:]
-    assert steps_logged(tmp_path / "w", "whole") == steps_logged(tmp_path, "cut")
+    finished(whole, wdir / "whole.log")
+    assert steps_logged(wdir, "whole") == steps_logged(tmp_path, "cut")
     wa = load_file(ck / "phase-2" / "final" / "model.safetensors")
-    wb = load_file(tmp_path / "w" / "checkpoints" / "whole" / "phase-2" / "final" / "model.safetensors")
+    wb = load_file(wdir / "checkpoints" / "whole" / "phase-2" / "final" / "model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     w0 = load_file(Path(toy_policy) / "model.safetensors")
     assert any(not torch.equal(wa[k], w0[k]) for k in wa if k in w0)  # training moved them
     ca = torch.load(ck / "phase-2" / "final" / "critic" / "model.pt")
-    cb = torch.load(tmp_path / "w" / "checkpoints" / "whole" / "phase-2" / "final" / "critic" / "model.pt")
+    cb = torch.load(wdir / "checkpoints" / "whole" / "phase-2" / "final" / "critic" / "model.pt")
     assert all(torch.equal(ca[k], cb[k]) for k in ca)
 
 

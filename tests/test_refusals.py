@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.agentgym_replay import free_port, serve_app as serve
+from tests.clirun import side_by_side
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,15 +27,6 @@ def cli(*args: str, cwd: Path, env: dict | None = None, timeout: float = 600) ->
     full.pop("SCALINGINTER_VERBOSE", None)
     full.update(env or {})
     return subprocess.run(cmd + list(args), cwd=cwd, env=full, capture_output=True, text=True, timeout=timeout)
-
-
-def side_by_side(*commands: tuple[str, ...], cwd: Path) -> list[subprocess.CompletedProcess]:
-    """``cli(*command)`` for each command at the same time (independent processes: their start-ups overlap); the
-    finished processes in the commands' order."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(len(commands)) as pool:
-        return list(pool.map(lambda c: cli(*c, cwd=cwd), commands))
 
 
 def failing_agentgym_app():
@@ -199,7 +191,7 @@ def test_refusals_from_inside_the_flows_are_one_line(tmp_path, tiny_model):
              "--set", "env.dialect=agentgym", "--set", f"env.url={url}"),
             ("run", "toy", "--run-name", "nomodel", *base, "--set", "model.path=/no/such/model",
              "--set", "eval.before=false", "--set", f"output_dir={tmp_path / 'runs-nomodel'}"),
-            cwd=tmp_path)
+            cwd=tmp_path, run=cli)
     line = assert_one_line(p, "every one of the 2 evaluation episodes", 14)
     assert "could not build the level" in line, line
     log = (tmp_path / "runs" / "masked" / "engine.log").read_text()

@@ -13,21 +13,25 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.clirun import background, finished
 from tests.toypolicy import toy_run_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 SETS = ["rollout.samples_per_task=4", "algo.lr=1e-3", "tracking.log_trajectories=0"]
 
 
-def cli(out, model, name, *extra, fault_after: int | None = None, popen: bool = False):
+def command(out, model, name, *extra, fault_after: int | None = None) -> tuple[list[str], dict[str, str]]:
+    """The toy run ``name`` in ``out``: its command line and environment."""
     cmd = toy_run_cmd(out, model, name, SETS) + list(extra)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("SCALINGINTER_FAULT_AFTER_STEP", None)
     if fault_after is not None:  # the test-only fault hook (not a config key)
         env["SCALINGINTER_FAULT_AFTER_STEP"] = str(fault_after)
-    if popen:  # the output to out/NAME.log (a pipe nobody reads until the end could fill and stall the run)
-        with open(out / f"{name}.log", "w") as log:
-            return subprocess.Popen(cmd, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return cmd, env
+
+
+def cli(out, model, name, *extra, fault_after: int | None = None):
+    cmd, env = command(out, model, name, *extra, fault_after=fault_after)
     return subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=900)
 
 
@@ -43,30 +47,32 @@ VLLM_ASYNC = ["--set", "rollout.backend=vllm", "--set", "rollout.vllm_dtype=floa
 
 @pytest.mark.slow
 def test_killed_run_resumes_exactly(tmp_path, toy_policy, request):
-    _killed_run_resumes_exactly(tmp_path, toy_policy, beside=request)
+    _killed_run_resumes_exactly(tmp_path, request, toy_policy, beside=True)
 
 
 @pytest.mark.slow
-def test_killed_async_vllm_run_resumes_exactly(tmp_path, toy_policy):
+def test_killed_async_vllm_run_resumes_exactly(tmp_path, toy_policy, request):
     """Issue 16: a resumed run whose rollout ran per-episode on vLLM samples the same tokens as an uninterrupted one."""
     from runtime.backends.vllm_backend import VLLMBackend
     from runtime.rollout import RolloutRuntime, uses_async_episodes
 
     # the vLLM backend offers a request engine, so the flag above makes the rollout per-episode
     assert uses_async_episodes(RolloutRuntime(backend=VLLMBackend.__new__(VLLMBackend), chat=None, make_env=None))
-    _killed_run_resumes_exactly(tmp_path, toy_policy, *VLLM_ASYNC)
+    _killed_run_resumes_exactly(tmp_path, request, toy_policy, *VLLM_ASYNC)
 
 
-def _killed_run_resumes_exactly(tmp_path, model, *extra, beside: pytest.FixtureRequest | None = None):
-    """``beside`` (the test's request, which stops it if the test stops first): the uninterrupted run in its own
-    folder while the other is killed and resumed. Not for the async vLLM rollout, whose engine steps follow timing:
-    two CPU engines at once would change what is measured."""
-    wdir = tmp_path / "w" if beside else tmp_path
-    wdir.mkdir(exist_ok=True)
-    whole = None
-    if beside is not None:
-        whole = cli(wdir, model, "whole", *extra, popen=True)
-        beside.addfinalizer(whole.terminate)
+def _killed_run_resumes_exactly(tmp_path, request, model, *extra, beside: bool = False):
+    """The uninterrupted run goes in its own folder; ``beside``: it runs while the other is killed and resumed,
+    else after them. Not beside for the async vLLM rollout, whose engine steps follow timing: two CPU engines at
+    once would change what is measured."""
+    wdir = tmp_path / "w"
+    wdir.mkdir()
+
+    def start_whole():
+        cmd, env = command(wdir, model, "whole", *extra)
+        return background(cmd, cwd=wdir, env=env, log=wdir / "whole.log", request=request)
+
+    whole = start_whole() if beside else None
     p = cli(tmp_path, model, "cut", *extra, fault_after=2)
     assert p.returncode != 0 and "fault injection" in (p.stdout + p.stderr)
     assert steps_logged(tmp_path, "cut") == [1, 2]
@@ -82,12 +88,7 @@ def _killed_run_resumes_exactly(tmp_path, model, *extra, beside: pytest.FixtureR
     assert "phase 2: resuming after step 1/2" in log
     assert steps_logged(tmp_path, "cut") == [1, 2, 3]  # phase 1 not recomputed, no step repeated
 
-    if whole is None:
-        p = cli(wdir, model, "whole", *extra)
-        assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
-    else:
-        whole.wait(timeout=900)
-        assert whole.returncode == 0, (wdir / "whole.log").read_text()[-3000:]
+    finished(whole or start_whole(), wdir / "whole.log")
     state = json.loads((tmp_path / "checkpoints" / "cut" / "phase-2" / "final" / "trainer_state.json").read_text())
     assert state["global_step"] == 3 and state["phase_step"] == 2 and state["turn_limit"] == 2
     # same data position and RNG: the resumed step sampled exactly the tokens the uninterrupted run sampled
