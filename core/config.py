@@ -88,7 +88,8 @@ class LoraConfig(_Strict):
                             "the engine's weights, a full weight sync after every update; for builds or "
                             "architectures vLLM serves no LoRA for) or auto (adapter where the vLLM build and "
                             "the model's architecture take LoRA, else merged, said in the log; merged on vLLM's CPU "
-                            "build, whose LoRA kernels generate several times slower than merged weights).")
+                            "build, whose LoRA kernels generate several times slower than merged weights, and with "
+                            "several engines, rollout.engines > 1, which all get full weights).")
 
     @field_validator("target_modules", mode="before")
     @classmethod
@@ -247,6 +248,12 @@ class RolloutConfig(_Strict):
                             "engines that share a file system), broadcast (GPUs: an NCCL group of the learner and every "
                             "engine worker, the learner broadcasts each tensor: vLLM's RLHF weight-update route). "
                             "auto: memory.")
+    engine_restarts: int = Field(
+        2, ge=0, description="Times each rollout engine the run started (rollout.engines > 1) is replaced when it "
+                             "dies: before the next weight sync or rollout round a new engine starts in its place (the "
+                             "same cores or GPUs and settings) and gets the run's current weights; meanwhile the "
+                             "engines left carry its turns. 0: a dead engine stays dead. Engines on other hosts "
+                             "(engine_urls) and engines in an NCCL broadcast group are not replaced.")
     vllm_sleep: bool | None = Field(
         None, description="vLLM sleep mode: the engine offloads its weights and drops its KV cache while the "
                           "learner updates (sleep level 1) and wakes before the weight sync and the next rollout, so "
@@ -638,9 +645,10 @@ class RunConfig(_Strict):
         if r.engines > 1 and r.vllm_in_process is True:
             raise ValueError("rollout.engines > 1 runs each engine in its own processes: drop "
                              "rollout.vllm_in_process=true")
-        if r.engines > 1 and self.model.lora.enabled:
-            raise ValueError("rollout.engines > 1 syncs full weights to every engine; LoRA adapters are served by one "
-                             "engine only: set rollout.engines=1 or model.lora.rank=0")
+        if r.engines > 1 and self.model.lora.enabled and self.model.lora.engine == "adapter":
+            raise ValueError("rollout.engines > 1 syncs full weights to every engine: the adapter is merged into "
+                             "them (model.lora.engine=merged or auto); a LoRA request is served by one engine only: "
+                             "set rollout.engines=1 or model.lora.engine=auto")
         if r.engine_urls:
             if r.backend != "vllm":
                 raise ValueError("rollout.engine_urls joins vLLM engines on other hosts: set rollout.backend=vllm")

@@ -8,6 +8,8 @@
   request and reply (the rollout appends the env's observation after them), so turns of one episode stay on one
   engine without the rollout naming episodes to the engines.
 - ``stale_engines``: the engines whose loaded weight version is not the run's: a rollout never starts on a mix.
+- ``engines_to_restart``: which dead engines the run replaces (its own ones, each up to ``rollout.engine_restarts``
+  times) and why the others stay dead.
 - ``broadcast_ranks``: the ranks of a learner -> engines weight-broadcast group (learner rank 0, then every engine's
   tensor-parallel workers in order).
 - ``split_cores``: CPU engines on one machine get disjoint core ranges.
@@ -105,6 +107,36 @@ class PrefixAffinity:
 def stale_engines(versions: Sequence[int | None], want: int) -> list[int]:
     """The engines (indices) whose loaded weight version is not ``want`` (None: the engine cannot say)."""
     return [i for i, v in enumerate(versions) if v != want]
+
+
+def engines_to_restart(dead: Sequence[bool], remote: Sequence[bool], restarts: Sequence[int], limit: int,
+                       can_load: bool = True, broadcast: bool = False) -> tuple[list[int], dict[int, str]]:
+    """The dead engines to replace with new ones, and why each other dead engine stays dead.
+
+    ``dead[i]``: engine i is gone; ``remote[i]``: it serves on another host (the run joins such engines, it does
+    not start them); ``restarts[i]``: how often engine i was replaced already, at most ``limit`` times;
+    ``can_load``: a new engine can be given the run's current weights (a learner to load them from, or the run is
+    still at the folder's weights); ``broadcast``: the weights go over an NCCL group, whose members are fixed."""
+    if not len(dead) == len(remote) == len(restarts):
+        raise ValueError("one dead flag, remote flag and restart count per engine")
+    if limit < 0:
+        raise ValueError(f"the restart limit is >= 0, got {limit}")
+    restart: list[int] = []
+    why: dict[int, str] = {}
+    for i, (d, r, n) in enumerate(zip(dead, remote, restarts)):
+        if not d:
+            continue
+        if r:
+            why[i] = "it serves on another host: restart it there, the run joins engines it did not start"
+        elif broadcast:
+            why[i] = "rollout.engine_sync=broadcast: the NCCL group's members are fixed"
+        elif n >= limit:
+            why[i] = f"replaced {n} times already (rollout.engine_restarts={limit})"
+        elif not can_load:
+            why[i] = "no learner to give a new engine the run's current weights"
+        else:
+            restart.append(i)
+    return restart, why
 
 
 def broadcast_ranks(tp_sizes: Sequence[int]) -> tuple[list[int], int]:

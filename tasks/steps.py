@@ -622,6 +622,8 @@ def policy_update(key: str, batch: Batch, adv: Advantages, global_step: int | No
         s.backend.sync_weights()  # a separate generation engine (vLLM) reloads the new weights; no-op otherwise
     if hasattr(s.backend, "sync_time_s"):
         out["weight_sync_s"] = s.backend.sync_time_s
+    if hasattr(s.backend, "restarts"):  # several engines: how often dead ones were replaced so far
+        out["engine_restarts"] = float(sum(s.backend.restarts))
     trim_heap()  # and what the sync freed (runtime.memory)
     return out
 

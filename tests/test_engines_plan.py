@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from core.engines import (LOCAL, EngineHost, EngineRoom, NoEngineLeft, PrefixAffinity, broadcast_ranks,
-                          parse_engine_host, pick_engine, plan_engines, split_cores, stale_engines)
+                          engines_to_restart, parse_engine_host, pick_engine, plan_engines, split_cores,
+                          stale_engines)
 
 
 def test_pick_engine_most_free_room_then_fewest_live_then_lowest_index():
@@ -68,6 +69,24 @@ def test_stale_engines_and_broadcast_ranks():
     assert broadcast_ranks([2, 1, 4]) == ([1, 3, 4], 8)
     with pytest.raises(ValueError):
         broadcast_ranks([1, 0])
+
+
+def test_engines_to_restart_only_the_runs_own_within_the_limit():
+    # 0 alive; 1 dead, replaced once of 2; 2 dead, its host's; 3 dead, replaced twice already
+    restart, why = engines_to_restart([False, True, True, True], [False, False, True, False], [0, 1, 0, 2], 2)
+    assert restart == [1] and sorted(why) == [2, 3]
+    assert "another host" in why[2] and "replaced 2 times" in why[3] and "engine_restarts=2" in why[3]
+    assert engines_to_restart([True], [False], [0], 0) == ([], {0: "replaced 0 times already "
+                                                                  "(rollout.engine_restarts=0)"})
+    restart, why = engines_to_restart([True, False], [False, False], [0, 0], 3, can_load=False)
+    assert restart == [] and "no learner" in why[0]
+    restart, why = engines_to_restart([True, True], [False, False], [0, 0], 3, broadcast=True)
+    assert restart == [] and all("NCCL" in w for w in why.values())
+    assert engines_to_restart([False, False], [False, False], [5, 5], 1) == ([], {})
+    with pytest.raises(ValueError):
+        engines_to_restart([True], [False, False], [0], 1)
+    with pytest.raises(ValueError):
+        engines_to_restart([True], [False], [0], -1)
 
 
 def test_split_cores():
@@ -252,6 +271,60 @@ def test_engine_set_checks_every_engines_weight_version_before_a_rollout():
     assert b._llm.version == 0 and "load_shared_weights" in b._llm.rpcs and "load_shared_weights" not in a._llm.rpcs
     es.sync_weights()
     assert es.version == 1 and [e._llm.version for e in (a, b)] == [1, 1] and es.syncs == 1
+
+
+def test_engine_set_replaces_a_dead_engine_with_the_runs_weights():
+    import torch
+
+    from runtime.backends.generation import SamplingParams
+
+    started = []
+
+    def restart(i):
+        e = _Engine()
+        started.append((i, e))
+        return e, 990
+
+    es, (a, b) = _engine_set(restart=restart, restart_limit=1)
+    es.named_weights = lambda: [("w", torch.ones(2, 2))]
+    es.sync_weights()  # version 1 in both
+    b.fail = True
+    es.generate([[k, k + 1] for k in range(4)], SamplingParams(8, 0.0))  # b dies: its share goes to a
+    assert es.alive == [True, False] and not started
+    es.sync_weights()  # b replaced first, then the new engine gets version 2 with a
+    (i, c), = started
+    assert i == 1 and es.engines[1] is c and b._llm is None  # the dead one closed
+    assert es.alive == [True, True] and es.capacity == [1000, 990] and es.restarts == [0, 1]
+    assert [e._llm.version for e in (a, c)] == [2, 2] and es.stats()["restarts"] == [0, 1]
+    gens = es.generate([[10 * k, 10 * k + 1] for k in range(4)], SamplingParams(8, 0.0))
+    assert len(gens) == 4 and c.calls and es.routed[1] > 0  # the new engine takes its share
+    c.die()  # dies again, between rounds: the limit (1) is spent, so it stays dead and a carries on
+    es.generate([[1, 2]], SamplingParams(8, 0.0))
+    assert es.alive == [True, False] and len(started) == 1 and es.restarts == [0, 1]
+
+
+def test_engine_set_replaces_a_dead_engine_before_a_round_with_the_current_weights():
+    import torch
+
+    from runtime.backends.generation import SamplingParams
+
+    es, (a, b) = _engine_set(restart=lambda i: (_Engine(), 1000), restart_limit=2)
+    es.named_weights = lambda: [("w", torch.ones(2, 2))]
+    es.sync_weights()
+    b.die()  # died while nothing ran on it (e.g. during the update)
+    es.generate([[1, 2], [3, 4]], SamplingParams(8, 0.0))  # replaced and loaded before the round
+    c = es.engines[1]
+    assert c is not b and c._llm.version == 1 and "load_shared_weights" in c._llm.rpcs and len(c.calls) == 1
+    # a start that fails leaves the slot dead and the round runs on the rest
+    es2, (d, e) = _engine_set(restart=lambda i: (_ for _ in ()).throw(RuntimeError("no memory")), restart_limit=2)
+    e.die()
+    gens = es2.generate([[1, 2], [3, 4]], SamplingParams(8, 0.0))
+    assert len(gens) == 2 and es2.alive == [True, False] and es2.restarts == [0, 1] and len(d.calls) == 1
+    # without a restart hook (engines on other hosts only, tests) dead engines stay dead, as before
+    es3, (f, g) = _engine_set()
+    g.die()
+    es3.generate([[1, 2], [3, 4]], SamplingParams(8, 0.0))
+    assert es3.engines[1] is g and g.calls == [] and len(f.calls) == 1 and es3.restarts == [0, 0]
 
 
 def test_routed_requests_resubmit_a_dead_engines_turns(monkeypatch):

@@ -277,11 +277,16 @@ def test_config_names_and_refusals():
     assert json.loads(cfg.model_dump_json())["model"]["lora"]["rank"] == 16  # --print-config shows it
     assert LearnerConfig.from_run(cfg).lora == LoraSpec(16, 32.0, 0.0, ("q_proj", "v_proj"))
     assert LearnerConfig.from_run(build_config("babyai", "smoke")).lora is None
+    # several engines take a LoRA policy merged into their weights (auto or merged)
+    two = build_config("babyai", "smoke", ["model.lora.rank=8", "rollout.backend=vllm", "rollout.engines=2"])
+    assert (two.rollout.engines, two.model.lora.engine) == (2, "auto")
     for sets, says in ((["model.lora.alpha=8"], "rank is 0"),
                        (["model.lora.rank=8", "learner.engine=deepspeed"], "torch learner"),
                        (["model.lora.rank=8", "rollout.backend=transformers", "model.lora.engine=merged"],
                         "rollout.backend=vllm"),
-                       (["model.lora.rank=8", "model.lora.target_modules=[]"], "empty")):
+                       (["model.lora.rank=8", "model.lora.target_modules=[]"], "empty"),
+                       (["model.lora.rank=8", "rollout.backend=vllm", "rollout.engines=2", "model.lora.engine=adapter"],
+                        "served by one engine")):
         with pytest.raises(ConfigError, match=says):
             build_config("babyai", "smoke", sets)
 
@@ -304,3 +309,16 @@ def test_dry_run_counts_adapters_not_full_optimizer_state(tmp_path):
     assert lora.memory_bytes < full.memory_bytes / 3
     ppo = dry_run(build_config("babyai", "paper", [f"model.path={d}", "model.lora.rank=16", "algo.estimator=ppo"]))
     assert "critic" in next(x for x in ppo.lines if x.startswith("memory:"))
+
+
+def test_several_engines_serve_lora_merged_even_where_adapters_are_served(monkeypatch):
+    from flows.config import build_config
+    from runtime.backends import vllm_backend as vb
+
+    monkeypatch.setattr(vb, "is_cpu_build", lambda: False)  # a build whose engine would serve the adapter
+    monkeypatch.setattr(vb, "engine_serves_lora", lambda base: (True, ""))
+    one = build_config("babyai", "smoke", ["model.lora.rank=8", "rollout.backend=vllm"])
+    assert vb.lora_serving(one, "/models/base").mode == "adapter"
+    two = build_config("babyai", "smoke", ["model.lora.rank=8", "rollout.backend=vllm", "rollout.engines=2"])
+    s = vb.lora_serving(two, "/models/base")
+    assert (s.mode, s.rank, s.base_dir) == ("merged", 0, "/models/base") and "rollout.engines > 1" in s.why

@@ -20,7 +20,11 @@ once; the per-episode pass (``request_engine``) steps each engine in its own thr
 An engine that dies (its engine-core process gone, an engine error): its turns in flight are dropped there and sent
 again, with the same prompt and the same per-request seed, to the engines left (the same weights, checked below),
 so the episode goes on where it was and is neither lost nor scored; the rollout's own env-failure masking and retry
-are untouched. With no engine left the rollout fails (``NoEngineLeft``), which is no score either.
+are untouched. With no engine left the rollout fails (``NoEngineLeft``), which is no score either. Before the next
+weight sync or rollout round, an engine the run started and that died is replaced (``restart_dead``): a new engine
+in its slot (the same cores or GPUs, the same settings) gets the run's current weights, up to
+``rollout.engine_restarts`` times per slot (``core.engines.engines_to_restart`` says which are not and why: engines
+on other hosts, an NCCL broadcast group, the limit).
 
 Weights: every engine loads the same weights after each update and records their version in its worker
 (``weight_broadcast.EngineWeightsWorker``); before a rollout uses the set, every engine's version is read back and an
@@ -47,8 +51,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from core.engines import (LOCAL, EngineHost, EngineRoom, NoEngineLeft, PrefixAffinity, parse_engine_host,
-                          pick_engine, plan_engines, stale_engines)
+from core.engines import (LOCAL, EngineHost, EngineRoom, NoEngineLeft, PrefixAffinity, engines_to_restart,
+                          parse_engine_host, pick_engine, plan_engines, stale_engines)
 from runtime.backends.generation import Generation, SamplingParams, drain
 from runtime.backends.vllm_backend import VLLMBackend, VLLMRequests, safetensors_files
 from runtime.console import restore_env
@@ -116,12 +120,15 @@ def _env(values: dict[str, str]) -> Iterator[None]:
 class EngineSet:
     """N ``VLLMBackend`` engines as one generation backend (the ``GenerationBackend`` protocol, ``request_engine``,
     the weight loads and sleep/wake the run's ``EnginePool`` and steps call). ``capacity_tokens``: each engine's KV
-    cache in tokens (the router's room)."""
+    cache in tokens (the router's room). ``restart``: ``restart(i)`` starts a new engine for slot ``i`` and returns it
+    with its KV capacity in tokens (None: dead engines stay dead); ``restart_limit``: how often each slot may be
+    replaced."""
 
     def __init__(self, engines: list[VLLMBackend], capacity_tokens: list[int], sync: str = "memory",
                  named_weights: Callable[[], Iterable[tuple[str, Any]]] | None = None,
                  export_weights: Callable[[Path], None] | None = None, broadcast_device: Any = None,
-                 sync_dir: str | os.PathLike | None = None, weight_store: Any = None):
+                 sync_dir: str | os.PathLike | None = None, weight_store: Any = None,
+                 restart: Callable[[int], tuple[VLLMBackend, int]] | None = None, restart_limit: int = 0):
         if not engines or len(capacity_tokens) != len(engines):
             raise ValueError("one KV capacity per engine")
         if sync not in ("memory", "folder", "broadcast"):
@@ -135,6 +142,10 @@ class EngineSet:
         self.routed = [0] * len(engines)  # requests (turns) each engine took
         self.first_turns = [0] * len(engines)  # requests that continued no remembered prefix (an episode's first)
         self.resubmitted = 0  # turns sent again to another engine after theirs died
+        self._restart, self.restart_limit = restart, int(restart_limit)
+        self.restarts = [0] * len(engines)  # times each slot's engine was replaced
+        self.restart_time_s = 0.0
+        self._kept_dead: set[int] = set()  # dead engines already said to stay dead
         self.affinity = PrefixAffinity()
         self.lock = threading.RLock()
         self.version = 0  # the weights every engine must hold (0: the folder they started from)
@@ -239,7 +250,8 @@ class EngineSet:
 
     def stats(self) -> dict[str, Any]:
         return {"engines": len(self.engines), "alive": sum(self.alive), "routed": list(self.routed),
-                "first_turns": list(self.first_turns), "resubmitted": self.resubmitted, "version": self.version}
+                "first_turns": list(self.first_turns), "resubmitted": self.resubmitted, "version": self.version,
+                "restarts": list(self.restarts)}
 
     def is_dead(self, i: int) -> bool:
         return not self.alive[i] or engine_dead(self.engines[i])
@@ -252,6 +264,60 @@ class EngineSet:
             self.affinity.forget_engine(i)
         print(f"warning: rollout engine {i} died ({why}): its turns in flight go to the "
               f"{len(self.live_indices())} engines left", flush=True)
+
+    def restart_dead(self, load: bool = True) -> list[int]:
+        """Dead engines the run started replaced by new ones in their slots (``core.engines.engines_to_restart``);
+        with ``load``, each new engine then gets the run's current weights (the learner's; at version 0 it already
+        holds them: it started from the same folder). A start that fails leaves the slot dead (said, not raised:
+        the engines left carry on). Returns the slots replaced."""
+        if self._restart is None:
+            return []
+        dead = [self.is_dead(i) for i in range(len(self.engines))]
+        if not any(dead):
+            return []
+        for i in (i for i, d in enumerate(dead) if d):
+            self.mark_dead(i, "found dead before the next rollout")
+        can_load = self.version == 0 or self.named_weights is not None or self.export_weights is not None
+        idx, why = engines_to_restart(dead, [self.is_remote(i) for i in range(len(self.engines))], self.restarts,
+                                      self.restart_limit, can_load, self.sync_mode == "broadcast")
+        for i, reason in why.items():
+            if i not in self._kept_dead:
+                self._kept_dead.add(i)
+                print(f"warning: rollout engine {i} stays dead ({reason}); the {len(self.live_indices())} engines "
+                      "left carry on", flush=True)
+        replaced = []
+        for i in idx:
+            t0 = time.time()
+            try:
+                self.engines[i].close()  # what is left of it: its client, its sockets
+            except Exception:  # noqa: BLE001 - the engine is dead: its close may fail too
+                pass
+            self.restarts[i] += 1
+            engine = None
+            try:
+                engine, cap = self._restart(i)
+                engine._llm.collective_rpc("set_weight_version", args=(0,))
+            except Exception as e:  # noqa: BLE001 - a start that fails leaves the slot dead, the others carry on
+                if engine is not None:
+                    try:
+                        engine.close()
+                    except Exception:  # noqa: BLE001
+                        pass
+                print(f"warning: rollout engine {i} could not be replaced ({type(e).__name__}: {e}); the "
+                      f"{len(self.live_indices())} engines left carry on", flush=True)
+                continue
+            with self.lock:
+                self.engines[i], self.capacity[i] = engine, int(cap)
+                self.reserved[i] = self.live[i] = 0
+                self.alive[i] = True
+                self._kept_dead.discard(i)
+            self.restart_time_s += time.time() - t0
+            replaced.append(i)
+            print(f"rollout engine {i} replaced by a new engine in {time.time() - t0:.1f} s (replacement "
+                  f"{self.restarts[i]} of at most {self.restart_limit})", flush=True)
+        if replaced and load and self.version != 0:
+            self._load_learner(replaced)
+        return replaced
 
     # -- routing ------------------------------------------------------------------------------------------
     def rooms(self) -> list[EngineRoom]:
@@ -380,7 +446,9 @@ class EngineSet:
     def check_versions(self) -> None:
         """Every live engine must hold version ``self.version``: an engine that does not is loaded again from the
         learner (its weights now are that version: nothing updated them since the sync) and read back; refused
-        when there is nothing to load from, or when it still differs."""
+        when there is nothing to load from, or when it still differs. Dead engines are replaced first
+        (``restart_dead``)."""
+        self.restart_dead()
         versions = self.weight_versions()
         stale = [i for i in stale_engines(versions, self.version) if not self.is_dead(i)]
         if not stale:
@@ -544,6 +612,7 @@ class EngineSet:
         """The learner's new weights into every live engine (the next version), then their KV caches woken."""
         t0 = time.time()
         self._close_active()
+        self.restart_dead(load=False)  # a new engine gets the new weights with the others, below
         live = self.live_indices()
         self.version += 1
         self._load_learner(live)
@@ -592,8 +661,22 @@ class EngineSet:
         self._load_dir(self.live_indices(), weights_path, self.version)
         return time.time() - t0
 
-    def clear_adapter(self) -> None:  # no LoRA with several engines (refused by the config)
-        return None
+    def push_merged(self, source) -> float:
+        """``source``'s weights with its LoRA adapter merged in (``merged_entries``: an adapter folder, or the learner's
+        live adapter) into every live engine through the shared segment: several engines serve LoRA merged, never as
+        a LoRA request (``vllm_backend.lora_serving``)."""
+        t0 = time.time()
+        self._close_active()
+        live = self.live_indices()
+        for i in live:
+            self.engines[i]._wake_for_load()
+        self.version += 1
+        self._load_entries(live, source.merged_entries(), self.version)
+        self.lora_request = None
+        return time.time() - t0
+
+    def clear_adapter(self) -> None:  # several engines hold full (merged) weights: no LoRA request to clear
+        self.lora_request = None
 
     # -- sleep (the learner's memory during the update) -------------------------------------------------------
     def sleep(self) -> bool:
@@ -793,21 +876,30 @@ def start_engine_set(cfg, model_dir: str, tokenizer, learner, dtype: str, plan, 
         layout = [replace(p, gpus=tuple(g if g < skip else g + 1 for g in p.gpus)) for p in layout]
     visible = [x for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
     engines: list[VLLMBackend] = []
+    per_token = model_kv_bytes_per_token(model_dir, dtype)
+
+    def start(p) -> VLLMBackend:
+        """The engine of placement ``p`` (its GPUs through CUDA_VISIBLE_DEVICES, its cores), from the model folder."""
+        env = {}
+        if p.gpus:
+            ids = [visible[g] if g < len(visible) else str(g) for g in p.gpus]
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
+        with _env(env):
+            return VLLMBackend(
+                model_dir, tokenizer.eos_token_id, dtype=dtype, enforce_eager=r.vllm_enforce_eager,
+                max_model_len=r.token_budget + 1, seed=cfg.seed, threads=cfg.model.threads,
+                kv_cache_gb=plan.cache_bytes / GiB, gpu_memory_utilization=r.gpu_memory_utilization,
+                tensor_parallel_size=r.tensor_parallel_size, sleep_mode=sleep_mode_for(cfg),
+                release_kv=release_kv_for(cfg), release_weights=release_weights_for(cfg), in_process=False,
+                cpu_cores=p.cores)
+
+    def restart(i: int) -> tuple[VLLMBackend, int]:  # slot i of the layout again (the local engines come first)
+        e = start(layout[i])
+        return e, engine_kv_tokens(e, plan.cache_bytes // per_token)
+
     try:
         for p in layout:
-            env = {}
-            if p.gpus:
-                ids = [visible[g] if g < len(visible) else str(g) for g in p.gpus]
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
-            with _env(env):
-                engines.append(VLLMBackend(
-                    model_dir, tokenizer.eos_token_id, dtype=dtype, enforce_eager=r.vllm_enforce_eager,
-                    max_model_len=r.token_budget + 1, seed=cfg.seed, threads=cfg.model.threads,
-                    kv_cache_gb=plan.cache_bytes / GiB, gpu_memory_utilization=r.gpu_memory_utilization,
-                    tensor_parallel_size=r.tensor_parallel_size, sleep_mode=sleep_mode_for(cfg),
-                    release_kv=release_kv_for(cfg), release_weights=release_weights_for(cfg), in_process=False,
-                    cpu_cores=p.cores))
-        per_token = model_kv_bytes_per_token(model_dir, dtype)
+            engines.append(start(p))
         capacity = [engine_kv_tokens(e, plan.cache_bytes // per_token) for e in engines]
         for u in urls:
             from runtime.backends.remote_engine import RemoteEngine
@@ -820,7 +912,8 @@ def start_engine_set(cfg, model_dir: str, tokenizer, learner, dtype: str, plan, 
                                  f"`scalinginter engine-host --max-model-len {r.token_budget + 1}`")
             capacity.append(e.kv_tokens or capacity[0])
         es = EngineSet(engines, capacity, sync, named_weights_fn(learner), export_fn(learner), device,
-                       sync_dir=r.engine_sync_dir or None, weight_store=weight_store)
+                       sync_dir=r.engine_sync_dir or None, weight_store=weight_store, restart=restart,
+                       restart_limit=r.engine_restarts)
         es.join_remote(model_dir)
     except BaseException:
         for e in engines:

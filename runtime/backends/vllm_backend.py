@@ -1115,7 +1115,9 @@ def lora_serving(cfg, model_dir: str, learner=None) -> "LoraServing | None":
         return None
     rank = max(lo.rank, source.rank if source is not None else 0)
     mode = lora_engine_asked(lo)
-    if mode == "auto":
+    if cfg.rollout.engines > 1 and mode != "merged":  # an engine set syncs full weights (adapter: refused by config)
+        mode, why = "merged", "rollout.engines > 1: every engine gets the full weights, the adapter merged in"
+    elif mode == "auto":
         ok, why = engine_serves_lora(base)
         mode = "adapter" if ok else "merged"
     elif lo.engine == "auto":
@@ -1253,6 +1255,16 @@ class EnginePool:
             engine = start_engine_set(cfg, model_dir, tokenizer, learner, dtype, plan,
                                       getattr(self, "weight_store", None))
             self.starts += 1
+            if lora is not None:  # merged (lora_serving): the engines started on the base, the adapter merged in
+                _hook_session(engine, learner, lora)
+                print(f"LoRA: the adapter is merged into the {cfg.rollout.engines} vLLM engines' weights ({lora.why}): "
+                      "every update syncs the full merged weights", flush=True)
+                if lora.source is not None:
+                    try:
+                        _load_lora_weights(engine, lora)
+                    except BaseException:
+                        engine.close()
+                        raise
             return engine
         engine = _start_engine(cfg, model_dir, tokenizer, learner, dtype, plan, lora)
         self.starts += 1
