@@ -22,6 +22,7 @@ diagnostics (``diag/*`` in ``metrics.jsonl``) over each phase and over seeds.
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -373,3 +374,95 @@ def paper_claims(arms: dict[str, Any], comparisons: dict[str, Any]) -> list[dict
         verdict, measured = _separation(comparisons.get(f"scalinginter - {other}"))
         add(claim, rule, verdict, measured)
     return out
+
+
+# --- a study run in pieces: which arithmetic each piece trained in, which pieces are there -----------------------
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # how a report's ``machine`` names a CPU with native bf16
+
+
+def _override(overrides: Iterable[str], key: str) -> str | None:
+    """The last ``key=value`` override's value (as written), None when not set."""
+    found = None
+    for s in overrides or ():
+        k, sep, v = str(s).partition("=")
+        if sep and k.strip() == key:
+            found = v.strip()
+    return found
+
+
+def report_precision(report: dict[str, Any]) -> dict[str, str]:
+    """The arithmetic a study report's runs trained in: its recorded ``precision`` (``learner``: bf16 or fp32;
+    ``rollout``: the generator's dtype), else, for reports written before it was recorded, the learner's inferred
+    from the ``machine`` the report names and its overrides: ``model.bf16_autocast`` when set, else bf16 on a machine
+    with native bf16 (AMX or AVX512-BF16 in its flags) and fp32 elsewhere, the config's default."""
+    if report.get("precision"):
+        return dict(report["precision"])
+    forced = _override(report.get("overrides") or [], "model.bf16_autocast")
+    if forced is not None and forced.lower() not in ("none", "null"):
+        return {"learner": "bf16" if forced.lower() in ("true", "1", "yes", "on") else "fp32"}
+    native = any(f in str(report.get("machine", "")) for f in NATIVE_BF16_FLAGS)
+    return {"learner": "bf16" if native else "fp32"}
+
+
+def precision_conflict(precisions: Sequence[dict[str, str]], names: Sequence[str]) -> str | None:
+    """None when the pieces trained in the same arithmetic (compared on the keys each pair records), else a line per
+    differing key naming each piece's value: pieces in bf16 and in fp32 differ in more than their arm or seed."""
+    if len(precisions) != len(names):
+        raise ValueError("one name per precision")
+    lines = []
+    for key in sorted({k for p in precisions for k in p}):
+        have = [(n, p[key]) for n, p in zip(names, precisions) if key in p]
+        if len({v for _, v in have}) > 1:
+            lines.append(f"{key}: " + ", ".join(f"{n} {v}" for n, v in have))
+    return "; ".join(lines) or None
+
+
+def merged_precision(precisions: Sequence[dict[str, str]]) -> dict[str, str]:
+    """The merged report's precision: each key's common value, or ``mixed (a, b)`` where pieces differ."""
+    out = {}
+    for key in sorted({k for p in precisions for k in p}):
+        values = sorted({p[key] for p in precisions if key in p})
+        out[key] = values[0] if len(values) == 1 else f"mixed ({', '.join(values)})"
+    return out
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One (arm, seed) run found in a study report."""
+    arm: str
+    seed: int
+    report: str  # the report's file name
+    heldout: float | None  # its held-out success at the report's largest budget
+    precision: dict[str, str]
+
+
+def pieces_in(named_reports: Sequence[tuple[str, dict[str, Any]]], env: str, preset: str) -> list[Piece]:
+    """The (arm, seed) runs of the reports of this env and preset (merged reports left out: their pieces are
+    listed on their own), in the reports' order."""
+    out = []
+    for name, r in named_reports:
+        if r.get("env") != env or r.get("preset") != preset or r.get("merged_from") or not r.get("arms"):
+            continue
+        prec = report_precision(r)
+        for arm, a in r["arms"].items():
+            seeds = a.get("seeds") if isinstance(a.get("seeds"), list) else []
+            if not seeds:  # the seed at the end of each run's name (study-ENV-ARM-sN)
+                seeds = [int(m.group(1)) if m else None
+                         for m in (re.search(r"-s(\d+)$", str(x)) for x in a.get("runs") or [])]
+            rates = a.get("per_seed_success") or []
+            for k, s in enumerate(seeds):
+                if isinstance(s, int):
+                    out.append(Piece(arm, s, name, rates[k] if k < len(rates) else None, prec))
+    return out
+
+
+def piece_plan(pieces: Sequence[Piece], arms: Sequence[str], seeds: Sequence[int]
+               ) -> tuple[dict[tuple[str, int], list[Piece]], list[tuple[str, int]]]:
+    """For every (arm, seed) asked for: the pieces found for it (more than one: the same run in two reports, which
+    ``--merge`` refuses), and the (arm, seed) pairs still to run, seed by seed in the arms' order."""
+    found: dict[tuple[str, int], list[Piece]] = {(a, s): [] for s in seeds for a in arms}
+    for p in pieces:
+        if (p.arm, p.seed) in found:
+            found[(p.arm, p.seed)].append(p)
+    missing = [(a, s) for s in seeds for a in arms if not found[(a, s)]]
+    return found, missing

@@ -89,11 +89,16 @@ from core.study import (  # noqa: E402
     curve_over_seeds,
     finite_number,
     mean_of_dicts,
+    merged_precision,
     paired_mcnemar,
     paper_claims,
     parse_arms,
     phase_means,
+    piece_plan,
+    pieces_in,
     pooled_successes,
+    precision_conflict,
+    report_precision,
     retention,
 )
 
@@ -256,9 +261,19 @@ def main(argv: list[str] | None = None) -> int:
                          "tasks and the report gives the share of tasks with the same outcome)")
     ap.add_argument("--keep-checkpoints", action="store_true", help="keep the runs' checkpoints (default: delete "
                                                                      "them once scored; ~0.5-1.6 GB each)")
+    ap.add_argument("--status", action="store_true",
+                    help="no training: for a study run in pieces (one arm and seed per command), list which of "
+                         "--arms x seeds have a report in --results (held-out success, the arithmetic it trained "
+                         "in), which are left, the command for each one left, and whether this machine trains in "
+                         "the pieces' arithmetic")
+    ap.add_argument("--allow-mixed-precision", action="store_true",
+                    help="with --merge: merge pieces that trained in different arithmetic (bf16 and fp32 learners, "
+                         "or engines of different dtypes), which --merge otherwise refuses; the report says so")
     a = ap.parse_args(argv)
     if a.merge:
-        report = merge_reports([json.loads(Path(p).read_text()) for p in a.merge])
+        reports = [json.loads(Path(p).read_text()) for p in a.merge]
+        report = merge_reports(reports, allow_mixed_precision=a.allow_mixed_precision,
+                               names=[Path(p).name for p in a.merge])
         report["merged_from"] = [Path(p).name for p in a.merge]
         a.env = report["env"]
         write_outputs(a, report)
@@ -269,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     if a.seeds < 1:
         ap.error("--seeds must be >= 1")
+    if a.status:
+        return study_status(a, arms, argv if argv is not None else sys.argv[1:])
     a.experiment = a.experiment or f"learning-study-{a.env}"
     a.set = absolute_model_path(a.set)
     Path(a.output_dir).mkdir(parents=True, exist_ok=True)
@@ -286,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
                  "scalinginter and scalinginter-fit would be the same run: set rollout.task_filter=none (the "
                  "multistep-study preset leaves it off) or drop scalinginter-fit")
     start_model = start_model_record(cfg.model.path, warm)
+    warn_other_arithmetic(a, run_precision(cfg))
     a.eval_n = a.eval_n or cfg.eval.n
     phases = [p.model_dump() for p in cfg.curriculum.phases]
     mnt = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
@@ -318,9 +336,97 @@ def main(argv: list[str] | None = None) -> int:
                 _drop_checkpoints(Path(a.output_dir).resolve() / "checkpoints" / r["run_name"])
     report = build_report(a, arms, phases, budgets, base, runs, time.time() - t_start)
     report["start_model"] = start_model
+    report["precision"] = run_precision(cfg)
     if rescore is not None:
         report["rescore"] = rescore
     write_outputs(a, report)
+    return 0
+
+
+def run_precision(cfg) -> dict[str, str]:
+    """The arithmetic a run of ``cfg`` trains in on this machine: the learner's (bf16 autocast or fp32,
+    ``model.bf16_autocast`` resolved here) and the rollout's (the vLLM engine's dtype; transformers generation runs
+    in the learner's)."""
+    from runtime.backends.hardware import resolve_bf16, resolve_vllm_dtype
+
+    learner = "bf16" if resolve_bf16(cfg.model.bf16_autocast) else "fp32"
+    rollout = resolve_vllm_dtype(cfg.rollout.vllm_dtype) if cfg.rollout.backend == "vllm" else learner
+    return {"learner": learner, "rollout": rollout}
+
+
+def _precision_text(p: dict[str, str]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(p.items()))
+
+
+def named_reports(results: Path) -> list[tuple[str, dict[str, Any]]]:
+    """The JSON reports in a results folder, by file name (files that are not JSON skipped)."""
+    named = []
+    for f in sorted(results.glob("*.json")) if results.is_dir() else []:
+        try:
+            named.append((f.name, json.loads(f.read_text())))
+        except (OSError, ValueError):
+            continue
+    return named
+
+
+def warn_other_arithmetic(a: argparse.Namespace, here: dict[str, str]) -> None:
+    """Before a study trains: a warning when --results already holds pieces of this env and preset that trained in
+    another arithmetic than this machine will (``--merge`` refuses such a mix without --allow-mixed-precision)."""
+    other = [p for p in pieces_in(named_reports(Path(a.results)), a.env, a.preset)
+             if precision_conflict([p.precision, here], ["piece", "here"])]
+    if other:
+        p = other[0]
+        print(f"warning: {len(other)} piece(s) of this study in {a.results} trained in {_precision_text(p.precision)} "
+              f"(e.g. {p.arm} seed {p.seed}, {p.report}); this machine trains in {_precision_text(here)}: this "
+              "study's runs will differ from them in arithmetic as well as in arm or seed", flush=True)
+
+
+def study_status(a: argparse.Namespace, arms: list[str], argv: list[str]) -> int:
+    """``--status``: the pieces of --arms x seeds found in --results, those left with the command for each, and
+    whether this machine trains in the pieces' arithmetic (``core.study.piece_plan``)."""
+    import shlex
+
+    results = Path(a.results)
+    seeds = list(range(a.first_seed, a.first_seed + a.seeds))
+    found, missing = piece_plan(pieces_in(named_reports(results), a.env, a.preset), arms, seeds)
+    here = run_precision(preset_config(a.env, a.preset, absolute_model_path(a.set)))
+    print(f"study pieces of {a.env} / {a.preset} in {results}: arms {', '.join(arms)} x seeds {seeds[0]}.."
+          f"{seeds[-1]}; {len(found) - len(missing)} of {len(found)} done")
+    print(f"{'arm':<20}{'seed':>5}  {'held-out':>8}  {'arithmetic':<28}report")
+    for (arm, seed), ps in found.items():
+        if not ps:
+            print(f"{arm:<20}{seed:>5}  {'-':>8}  {'-':<28}(to run)")
+        for p in ps:
+            held = f"{p.heldout:.3f}" if p.heldout is not None else "?"
+            print(f"{arm:<20}{seed:>5}  {held:>8}  {_precision_text(p.precision):<28}{p.report}")
+    twice = [(k, [p.report for p in ps]) for k, ps in found.items() if len(ps) > 1]
+    for (arm, seed), names in twice:
+        print(f"warning: {arm} seed {seed} is in {len(names)} reports ({', '.join(names)}): --merge takes each run "
+              "once, pass one of them")
+    done = [p for ps in found.values() for p in ps]
+    conflict = precision_conflict([p.precision for p in done], [f"{p.arm} s{p.seed}" for p in done])
+    if conflict:
+        print(f"warning: the pieces trained in different arithmetic ({conflict}): --merge refuses them without "
+              "--allow-mixed-precision")
+    if done and precision_conflict([done[0].precision, here], ["pieces", "here"]):
+        print(f"warning: this machine trains in {_precision_text(here)}, the pieces in "
+              f"{_precision_text(done[0].precision)}: a piece run here would differ from them in arithmetic as well "
+              "as in arm or seed")
+    if missing:
+        keep, skip = [], {"--arms", "--seeds", "--first-seed"}
+        it = iter(argv)
+        for x in it:
+            if x == "--status":
+                continue
+            name = x.split("=", 1)[0]
+            if name in skip:
+                if "=" not in x:
+                    next(it, None)
+                continue
+            keep.append(x)
+        arm, seed = missing[0]
+        cmd = ["scalinginter", "study", *keep, "--arms", arm, "--seeds", "1", "--first-seed", str(seed)]
+        print(f"next ({len(missing)} left): " + " ".join(shlex.quote(c) for c in cmd))
     return 0
 
 
@@ -622,7 +728,8 @@ def _seed_numbers(part: dict[str, Any]) -> list[int | None]:
     return [int(m.group(1)) if m else None for m in found] if len(found) == n else [None] * n
 
 
-def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
+def merge_reports(reports: list[dict[str, Any]], allow_mixed_precision: bool = False,
+                  names: list[str] | None = None) -> dict[str, Any]:
     """One report from study reports of the same study (same env, preset and held-out tasks) that differ in their
     seeds or in their arms: a study run in pieces, an arm or a seed at a time, each piece's report kept. Pooled
     success and intervals over every seed's episodes, the paired comparisons on the per-task means over all seeds,
@@ -642,6 +749,13 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
 
     if len(reports) < 2:
         raise SystemExit("--merge needs two or more reports")
+    names = names or [f"report {k + 1}" for k in range(len(reports))]
+    precisions = [report_precision(r) for r in reports]
+    conflict = precision_conflict(precisions, names)
+    if conflict and not allow_mixed_precision:
+        raise SystemExit(f"--merge: the reports trained in different arithmetic ({conflict}): pieces of one study "
+                         "should differ in arm and seed only. Run the missing pieces on a machine like the others' "
+                         "(scalinginter study --status lists them), or pass --allow-mixed-precision to merge anyway")
     first = reports[0]
     remade = False
     for r in reports[1:]:
@@ -747,7 +861,8 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
     report = {"env": first["env"], "preset": first["preset"], "overrides": first["overrides"],
               "seeds": max(seeds_per_arm), "eval_n": first["eval_n"],
               "budgets": budgets, "experiment": first["experiment"], "start_model": first.get("start_model"),
-              "machine": "; ".join(sorted({r["machine"] for r in reports}))}
+              "machine": "; ".join(sorted({r["machine"] for r in reports})),
+              "precision": merged_precision(precisions)}
     if len(set(seeds_per_arm)) > 1:
         report["seeds_per_arm"] = {arm: n for arm, n in zip(arms_out, seeds_per_arm)}
     if first.get("task_ids"):

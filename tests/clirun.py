@@ -14,17 +14,22 @@ from tests.sharedapi import own_api_env
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def cli(*args: str, cwd: Path, timeout: int = 900, popen: bool = False, own_api: bool = False):
+def cli(*args: str, cwd: Path, timeout: int = 900, popen: bool = False, own_api: bool = False,
+        log: Path | None = None):
     """Run ``scalinginter ARGS`` in ``cwd``: the finished process (output captured as text), or with ``popen`` the
-    running one (stdout and stderr merged into its ``stdout`` pipe). The session's shared Prefect API serves it
-    once up (tests/sharedapi.py); ``own_api``: Prefect's temporary server of its own, as a user's run starts."""
+    running one, its stdout and stderr written to the file ``log`` (a pipe nobody reads while it runs could fill and
+    stall it). The session's shared Prefect API serves it once up (tests/sharedapi.py); ``own_api``: Prefect's
+    temporary server of its own, as a user's run starts."""
     exe = Path(sys.executable).with_name("scalinginter")
     cmd = ([str(exe)] if exe.exists() else [sys.executable, "-m", "flows.cli"]) + list(args)
     env = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180", **os.environ, "PYTHONPATH": str(ROOT)}
     if own_api:
         env = own_api_env(env)
     if popen:
-        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if log is None:
+            raise ValueError("cli(popen=True) writes the process's output to a file: pass log=")
+        with open(log, "w") as f:
+            return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT)
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -260,6 +260,59 @@ def test_merge_of_a_study_run_in_pieces_with_the_warm_start_made_again(tmp_path)
         ls.merge_reports([p1, _report([0], arms=["fixed-long"], start=start_a, base=base_b)])
 
 
+def test_merge_refuses_pieces_in_other_arithmetic_unless_allowed():
+    """A piece trained with an fp32 learner (a machine without native bf16) beside bf16 pieces: refused, naming each
+    piece's arithmetic; merged with --allow-mixed-precision, the report says it is mixed."""
+    ls = _bench()
+    p0 = {**_report([0], arms=["scalinginter"]), "machine": "2 cores, avx512_bf16"}  # inferred: learner bf16
+    p1 = {**_report([1], arms=["scalinginter"]), "precision": {"learner": "fp32", "rollout": "float32"}}
+    with pytest.raises(SystemExit, match=r"different arithmetic \(learner: a bf16, b fp32\).*--allow-mixed"):
+        ls.merge_reports([p0, p1], names=["a", "b"])
+    m = ls.merge_reports([p0, p1], allow_mixed_precision=True, names=["a", "b"])
+    assert m["precision"] == {"learner": "mixed (bf16, fp32)", "rollout": "float32"}
+    p2 = {**_report([1], arms=["scalinginter"]), "precision": {"learner": "bf16", "rollout": "bfloat16"}}
+    assert ls.merge_reports([p0, p2])["precision"] == {"learner": "bf16", "rollout": "bfloat16"}
+
+
+def test_status_lists_the_pieces_done_and_the_next_command(tmp_path, capsys):
+    """``scalinginter study --status``: the pieces in --results (each arm and seed, its held-out success and
+    arithmetic; a merged report and another preset's ignored), those left, the command for the next one, and a
+    warning when this machine trains in another arithmetic than the pieces."""
+    ls = _bench()
+    from runtime.backends.hardware import native_bf16
+
+    here = "bf16" if native_bf16() else "fp32"
+    other = "fp32" if here == "bf16" else "bf16"
+    p0 = {**_report([0], arms=["scalinginter"]), "precision": {"learner": other}}
+    p1 = {**_report([0], arms=["fixed-long"]), "precision": {"learner": other}}
+    merged = {**ls.merge_reports([p0, p1]), "merged_from": ["a.json", "b.json"]}
+    (tmp_path / "a.json").write_text(json.dumps(p0))
+    (tmp_path / "b.json").write_text(json.dumps(p1))
+    (tmp_path / "m.json").write_text(json.dumps(merged))
+    (tmp_path / "x.json").write_text(json.dumps({**p0, "preset": "tiny"}))
+    (tmp_path / "broken.json").write_text("{")
+    argv = ["--env", "babyai", "--preset", "multistep", "--arms", "scalinginter,fixed-long", "--seeds", "2",
+            "--results", str(tmp_path), "--budgets", "2,4", "--status"]
+    assert ls.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "2 of 4 done" in out
+    rows = [x.split() for x in out.splitlines() if x.startswith(("scalinginter ", "fixed-long "))]
+    assert [r[:2] for r in rows] == [["scalinginter", "0"], ["fixed-long", "0"], ["scalinginter", "1"],
+                                     ["fixed-long", "1"]]
+    assert rows[0][2] == f"{p0['arms']['scalinginter']['per_seed_success'][0]:.3f}" and rows[0][-1] == "a.json"
+    assert rows[2][-2:] == ["(to", "run)"] and rows[3][-2:] == ["(to", "run)"]
+    assert f"this machine trains in learner {here}" in out and f"the pieces in learner {other}" in out
+    nxt = next(x for x in out.splitlines() if x.startswith("next (2 left): "))
+    assert nxt.endswith("--budgets 2,4 --arms scalinginter --seeds 1 --first-seed 1")
+    assert "--status" not in nxt and "--arms scalinginter,fixed-long" not in nxt
+    # a study started here with such pieces in its --results says so before it trains
+    ns = argparse.Namespace(results=str(tmp_path), env="babyai", preset="multistep")
+    ls.warn_other_arithmetic(ns, {"learner": here})
+    assert f"2 piece(s) of this study in {tmp_path} trained in learner {other}" in capsys.readouterr().out
+    ls.warn_other_arithmetic(ns, {"learner": other})
+    assert capsys.readouterr().out == ""
+
+
 def test_table_and_plot_show_the_buckets(tmp_path):
     from core.stats import wilson_interval
 

@@ -403,3 +403,61 @@ def test_paper_claims_other_verdicts_and_missing_arms():
     assert got["fixed_short_plateau"] == "partly" and got["fixed_long_collapse"] == "partly"
     del arms["scalinginter"]  # flat, but nothing to be flat against
     assert {c["claim"]: c["verdict"] for c in paper_claims(arms, comparisons)}["fixed_short_plateau"] == "not run"
+
+
+def test_report_precision_recorded_or_inferred_from_the_machine_and_overrides():
+    from core.study import report_precision
+
+    assert report_precision({"precision": {"learner": "fp32", "rollout": "float32"}}) == \
+        {"learner": "fp32", "rollout": "float32"}
+    assert report_precision({"machine": "2 cores, avx512_bf16"}) == {"learner": "bf16"}
+    assert report_precision({"machine": "2 cores, amx_bf16, avx512_bf16"}) == {"learner": "bf16"}
+    assert report_precision({"machine": "2 cores, avx2-only (fp32)"}) == {"learner": "fp32"}
+    # an override wins over the machine; the last one counts; none/null leaves it to the machine
+    assert report_precision({"machine": "2 cores, avx512_bf16",
+                             "overrides": ["model.bf16_autocast=true", "model.bf16_autocast=false"]}) == \
+        {"learner": "fp32"}
+    assert report_precision({"machine": "m", "overrides": ["model.bf16_autocast=True"]}) == {"learner": "bf16"}
+    assert report_precision({"machine": "2 cores, avx512_bf16", "overrides": ["model.bf16_autocast=none"]}) == \
+        {"learner": "bf16"}
+
+
+def test_precision_conflict_and_merged_precision_by_hand():
+    from core.study import merged_precision, precision_conflict
+
+    a, b = {"learner": "bf16", "rollout": "bfloat16"}, {"learner": "bf16"}
+    assert precision_conflict([a, b], ["p", "q"]) is None  # compared on the keys each records
+    c = {"learner": "fp32", "rollout": "float32"}
+    assert precision_conflict([a, b, c], ["p", "q", "r"]) == \
+        "learner: p bf16, q bf16, r fp32; rollout: p bfloat16, r float32"
+    assert merged_precision([a, b]) == a
+    assert merged_precision([a, c]) == {"learner": "mixed (bf16, fp32)", "rollout": "mixed (bfloat16, float32)"}
+    with pytest.raises(ValueError):
+        precision_conflict([a], [])
+
+
+def test_pieces_in_and_piece_plan_by_hand():
+    from core.study import Piece, piece_plan, pieces_in
+
+    def rep(arms, preset="p", **kw):
+        return {"env": "e", "preset": preset, "machine": "m",
+                "arms": {arm: {"seeds": seeds, "per_seed_success": [0.5] * len(seeds)} for arm, seeds in arms.items()},
+                **kw}
+
+    named = [("one.json", rep({"scalinginter": [0], "fixed-short": [0]})),
+             ("two.json", rep({"scalinginter": [1, 2]}, precision={"learner": "bf16"})),
+             ("old.json", {"env": "e", "preset": "p", "machine": "m",  # no seeds list: from the run names
+                           "arms": {"fixed-long": {"runs": ["study-e-fixed-long-s1"], "per_seed_success": [0.25]}}}),
+             ("again.json", rep({"scalinginter": [1]})),  # the same run in a second report
+             ("merged.json", rep({"scalinginter": [0, 1]}, merged_from=["one.json", "two.json"])),
+             ("other.json", rep({"fixed-long": [0]}, preset="q"))]
+    pieces = pieces_in(named, "e", "p")
+    assert [(p.arm, p.seed, p.report) for p in pieces] == [
+        ("scalinginter", 0, "one.json"), ("fixed-short", 0, "one.json"), ("scalinginter", 1, "two.json"),
+        ("scalinginter", 2, "two.json"), ("fixed-long", 1, "old.json"), ("scalinginter", 1, "again.json")]
+    assert pieces[2] == Piece("scalinginter", 1, "two.json", 0.5, {"learner": "bf16"})
+    assert pieces[4].heldout == 0.25 and pieces[0].precision == {"learner": "fp32"}
+    found, missing = piece_plan(pieces, ["scalinginter", "fixed-long"], [0, 1])
+    assert [p.report for p in found[("scalinginter", 1)]] == ["two.json", "again.json"]
+    assert missing == [("fixed-long", 0)]  # seed 2 and fixed-short were not asked for
+    assert piece_plan([], ["a"], [3, 4]) == ({("a", 3): [], ("a", 4): []}, [("a", 3), ("a", 4)])

@@ -288,10 +288,11 @@ def trained(tiny_babyai_run, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def viewer(trained):
+def viewer(trained, tmp_path_factory):
     out, _ = trained
     port = _free_port()
-    proc = _cli("view", "--runs-dir", str(out), "--port", str(port), cwd=out, popen=True)
+    log = tmp_path_factory.mktemp("viewer-log") / "view.log"
+    proc = _cli("view", "--runs-dir", str(out), "--port", str(port), cwd=out, popen=True, log=log)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while True:
@@ -302,7 +303,7 @@ def viewer(trained):
             pass
         if proc.poll() is not None or time.time() > deadline:
             proc.kill()
-            pytest.fail(f"the viewer did not start: {proc.stdout.read()[-2000:]}")
+            pytest.fail(f"the viewer did not start: {log.read_text()[-2000:]}")
         time.sleep(0.3)
     yield base
     proc.terminate()
