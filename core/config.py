@@ -610,8 +610,6 @@ class RunConfig(_Strict):
         if self.rollout.vllm_in_process is True and (ln.engine == "deepspeed" or self.rollout.backend != "vllm"):
             raise ValueError("rollout.vllm_in_process runs a vLLM engine beside the torch learner in one process: "
                              "it needs rollout.backend=vllm and learner.engine=torch")
-        if ln.ranks > 1 and self.algo.estimator == "ppo":
-            raise ValueError("the PPO critic is not data-parallel: use learner.ranks=1 with algo.estimator=ppo")
         size = -(-episodes // self.algo.mini_batches)
         if self.algo.mini_batches > 1 and size * (self.algo.mini_batches - 1) >= episodes:
             raise ValueError(
@@ -683,9 +681,6 @@ class RunConfig(_Strict):
         if self.learner.nodes > 1 and r.backend != "vllm":
             raise ValueError("a DeepSpeed learner across nodes shares no model with the generator: set "
                              "rollout.backend=vllm")
-        if self.learner.nodes > 1 and self.algo.estimator == "ppo":
-            raise ValueError("the PPO critic is not data-parallel: use learner.nodes=1 and learner.ranks=1 with "
-                             "algo.estimator=ppo")
         return self
 
     @model_validator(mode="after")

@@ -4,7 +4,9 @@ The real ``DeepSpeedLearner`` (ZeRO-2) runs in 2 processes on CPU (torch.multipr
 at 127.0.0.1 on a free port), on a tiny randomly initialised Llama (hidden 32, 2 layers, vocab 64). The batch's
 two shards have very different policy-token counts (rank 0: 17, rank 1: 37 plus a zero-weight padding copy).
 The optimizer is plain SGD (a DeepSpeed config naming ``torch.optim.SGD``): its step is linear in the gradient,
-so the weights show a wrong normalisation (Adam's first step, ~lr * sign(grad), would hide a scale error).
+so the weights show a wrong normalisation (Adam's first step, ~lr * sign(grad), would hide a scale error). PPO's
+case trains a critic too (SGD as well): each rank's whole critic, its gradients averaged over the ranks, must end
+where the one-rank critic does.
 
 Reference: ``TorchLearner`` (one process, the whole batch, SGD). Tolerance: weights within 1e-6 (fp32, no
 autocast); the weights move by ~1e-1, and the old per-rank normalisation lands > 1e-3 away (computed here).
@@ -55,7 +57,21 @@ def _batch():
 CASES = {  # name: (LearnerConfig kwargs, prepare's old_for_reward)
     "token_mean_one_step": (dict(loss_agg="token-mean", kl_coef=0.05), False),
     "seq_mean_two_epochs": (dict(loss_agg="seq-mean", kl_coef=0.05, ppo_epochs=2), True),  # old log-probs prepared
+    # PPO: a critic on every rank, its gradients averaged over the ranks (SGD for it too, as for the policy)
+    "ppo_critic": (dict(loss_agg="token-mean", kl_coef=0.05, critic=True, critic_lr=0.5, value_clip=10.0), False),
 }
+
+
+def _returns(trajs):
+    """Per-token critic targets of the PPO case (any fixed numbers: the test compares two ways to fit them)."""
+    return [[(0.25 * i - 0.5) * m for m in t.loss_mask] for i, t in enumerate(trajs)]
+
+
+def _sgd_critic(learner):
+    import torch
+
+    if learner.critic is not None:
+        learner.critic.opt = torch.optim.SGD(learner.critic.net.parameters(), lr=learner.cfg.critic_lr)
 
 
 def _cfg(kw):
@@ -76,11 +92,14 @@ def _rank(rank: int, port: int, model_dir: str, ds_config: str, out: str) -> Non
     results = {}
     for name, (kw, old_for_reward) in CASES.items():
         learner = DeepSpeedLearner(model_dir, _cfg(kw), zero_stage=2, config_path=ds_config)
+        _sgd_critic(learner)
         trajs, advs = _batch()
         prep = learner.prepare(trajs, old_for_reward=old_for_reward)
-        stats = learner.update_shard(trajs, advs, prep)
+        stats = learner.update_shard(trajs, advs, prep, _returns(trajs) if learner.critic is not None else None)
         results[name] = {"prepared": prep, "stats": stats,
-                         "weights": {k: v.detach().clone() for k, v in learner.model.state_dict().items()}}
+                         "weights": {k: v.detach().clone() for k, v in learner.model.state_dict().items()},
+                         "critic": None if learner.critic is None else
+                         {k: v.detach().clone() for k, v in learner.critic.net.state_dict().items()}}
         learner.close()
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     torch.distributed.destroy_process_group()
@@ -124,8 +143,12 @@ def _one_rank(model_dir, kw, trajs, advs, old_for_reward):
 
     learner = TorchLearner(model_dir, _cfg(kw))
     learner.opt = torch.optim.SGD(learner.model.parameters(), lr=learner.cfg.lr)
+    _sgd_critic(learner)
     prep = learner.prepare(trajs, old_for_reward=old_for_reward)
-    stats = learner.update(trajs, advs, prepared=prep)
+    stats = learner.update(trajs, advs, prepared=prep,
+                           returns=_returns(trajs) if learner.critic is not None else None)
+    if learner.critic is not None:
+        stats["_critic"] = learner.critic.net.state_dict()
     return prep, stats, learner.model.state_dict()
 
 
@@ -149,6 +172,18 @@ def test_two_rank_update_equals_one_rank_update(two_ranks, tiny_model, case):
     for k in ("loss", "pg_loss", "kl", "entropy", "clip_frac", "grad_norm"):  # stats are the whole batch's too
         assert r0["stats"][k] == pytest.approx(stats[k], rel=1e-5, abs=1e-7), k
     assert r0["stats"]["sequences_trained"] == 5.0 and r0["stats"]["padded_for_sharding"] == 1.0
+    if kw.get("critic"):  # the ranks' critics agree, moved, and took the one-rank critic's step on the whole batch
+        from runtime.backends.critic import Critic
+
+        assert _max_diff(r0["critic"], r1["critic"]) == 0.0
+        fresh = Critic(tiny_model, 0.5).net.state_dict()
+        assert _max_diff(stats["_critic"], fresh) > 1e-2
+        assert _max_diff(r0["critic"], stats["_critic"]) < TOL
+        assert r0["stats"]["critic_grad_norm"] == pytest.approx(stats["critic_grad_norm"], rel=1e-5)
+        assert stats["value_loss"] > 0
+        assert r0["stats"]["value_loss"] == pytest.approx(stats["value_loss"], rel=1e-5, abs=1e-7)
+    else:
+        assert r0["critic"] is None
 
 
 @pytest.mark.slow
@@ -164,7 +199,7 @@ def test_sharded_prepare_gathers_the_whole_batch(two_ranks, tiny_model, case):
         got = two_ranks[r][case]["prepared"]
         assert got.live == want.live == [0, 1, 2, 3, 4] and got.seqs == want.seqs
         assert (got.old is None) == (not old_for_reward) == (want.old is None)
-        for field in ("old", "ref"):
+        for field in ("old", "ref", "values"):  # PPO: the critic values each rank computed for its share
             a, b = getattr(got, field), getattr(want, field)
             if b is not None:
                 assert max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)) < TOL, field
@@ -203,3 +238,14 @@ def test_merge_prepared_puts_the_shares_rows_in_batch_order():
         merge_prepared([a, a])
     with pytest.raises(ValueError, match="lack 'old'"):
         merge_prepared([a, Prepared(live=[3], seqs=[[3]])])
+
+
+def test_ppo_config_on_several_ranks_and_nodes():
+    """PPO's critic trains on every rank (its gradients averaged): the config takes algo.estimator=ppo with
+    learner.ranks > 1 and learner.nodes > 1."""
+    from flows.config import build_config
+
+    base = ["learner.engine=deepspeed", "algo.estimator=ppo", "rollout.backend=vllm"]
+    assert build_config("babyai", "tiny", base + ["learner.ranks=2"]).learner.ranks == 2
+    cfg = build_config("babyai", "tiny", base + ["learner.nodes=2", "learner.master_addr=10.0.0.5"])
+    assert (cfg.learner.nodes, cfg.algo.estimator) == (2, "ppo")

@@ -52,6 +52,9 @@ class Critic:
         self.lr, self.value_clip, self.mb, self.bf16, self.grad_clip, self.pad_id = (
             lr, value_clip, micro_batch_size, bf16_autocast, grad_clip, pad_id)
         self.opt = torch.optim.AdamW(self.net.parameters(), lr=lr, weight_decay=0.0)
+        # data-parallel ranks (the DeepSpeed learner over several): each rank's gradient is its share of the batch's
+        # loss times the ranks (the policy's weights, ``core.losses``), so their mean is the whole batch's gradient
+        self.data_parallel = False
 
     def _autocast(self):
         from runtime.backends.hardware import autocast
@@ -101,7 +104,25 @@ class Critic:
         loss.backward()
         return st
 
+    def _average_over_ranks(self) -> None:
+        """The ranks' gradients averaged in place (one all-reduce over a flat copy), so every rank steps alike."""
+        import torch.distributed as dist
+
+        world = dist.get_world_size()
+        grads = [p.grad for p in self.net.parameters() if p.grad is not None]
+        if world == 1 or not grads:
+            return
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        dist.all_reduce(flat)
+        flat /= world
+        off = 0
+        for g in grads:
+            g.copy_(flat[off:off + g.numel()].view_as(g))
+            off += g.numel()
+
     def step(self) -> float:
+        if self.data_parallel:
+            self._average_over_ranks()
         gn = torch.nn.utils.clip_grad_norm_(self.net.parameters(), self.grad_clip)
         self.opt.step()
         return float(gn)

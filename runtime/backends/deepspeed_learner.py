@@ -19,7 +19,10 @@ join ...`` (the same rendezvous, its own ``--node-rank``); all ranks connect bac
 learner spec from it;
 each rank trains on an equal share of the batch (data parallel; gradients averaged by DeepSpeed). Each rank also
 prepares (old / reference log-probs, critic values) only its share; the shares are gathered into the whole batch's
-``Prepared``. The loss of every mini-batch is normalised by its policy tokens (or sequences) over all ranks, an
+``Prepared``. PPO's critic is whole on every rank (not ZeRO-sharded: its weights and AdamW state on each), trained on
+the rank's share with the same weights as the policy loss; its gradients are averaged over the ranks (an all-reduce
+before its clip and step), so every rank's critic takes the one-rank step on the whole batch. The loss of every
+mini-batch is normalised by its policy tokens (or sequences) over all ranks, an
 all-reduce before the backward passes, scaled by the world size to undo DeepSpeed's averaging (``core.losses``): the
 update equals one rank's on the whole batch (``tests/test_multirank.py``).
 """
@@ -248,9 +251,10 @@ class DeepSpeedLearner(TorchLearner):
         self.device = self.engine.device
         if self.ref is not None:
             self.ref.to(self.device)
-        if self.critic is not None:
+        if self.critic is not None:  # PPO: a whole critic on every rank, its gradients averaged over the ranks
             self.critic.net.to(self.device)
             self.critic.device = self.device
+            self.critic.data_parallel = self.world_size > 1
         safe_checkpoint_loads(self.engine)
 
     @property
@@ -377,8 +381,8 @@ class DeepSpeedLearner(TorchLearner):
         if self.rank == 0:
             (directory / "deepspeed" / "layout.json").write_text(json.dumps(
                 {"world_size": self.world_size, "zero_stage": self.zero_stage}))
-            if self.critic is not None:  # PPO (single rank): the value model and its optimizer, as the torch learner
-                self.critic.save(directory)
+            if self.critic is not None:  # PPO: the value model and its optimizer (every rank holds the same), as the
+                self.critic.save(directory)  # torch learner's
         self._barrier()
 
     def load_training_state(self, directory: Path, weights: bool = True) -> dict[str, Any]:
@@ -514,6 +518,9 @@ class DeepSpeedRemoteLearner:
 
     def per_token(self, trajs: list[Trajectory], p: Prepared, which: str) -> list[list[float]]:
         return TorchLearner.per_token(self, trajs, p, which)  # pure over ``p``
+
+    def final_values(self, trajs: list[Trajectory], p: Prepared) -> list[float] | None:
+        return TorchLearner.final_values(self, trajs, p)  # pure over ``p`` (PPO: the ranks' critic values)
 
     def update(self, trajs: list[Trajectory], advantages: list[list[float]], prepared: Prepared | None = None,
                returns: list[list[float]] | None = None) -> dict[str, float]:
@@ -688,8 +695,6 @@ def make_learner(model_path: str, cfg: LearnerConfig, reference_path: str | None
         raise ValueError(f"learner.node_rank={section.node_rank}: a run is node 0; on the other nodes run "
                          "`python -m runtime.backends.deepspeed_learner join --nodes N --node-rank K ...` instead")
     if section.ranks * nodes > 1:
-        if cfg.critic:
-            raise ValueError("a PPO critic is not data-parallel yet: use learner.ranks=1 with algo.estimator=ppo")
         if nodes > 1:
             kw.update(nodes=nodes, master_addr=section.master_addr, master_port=section.master_port)
         return DeepSpeedRemoteLearner(model_path, cfg, reference_path, ranks=section.ranks, **kw)
