@@ -93,21 +93,28 @@ if __name__ == "__main__":
 """
 
 
+def _child(source: str, tmp_path: Path, timeout: int) -> dict:
+    """Run a child script (its own process: vLLM's start scans every loaded module and binds threads) and return
+    the dict it prints on its ``RESULT`` line."""
+    root = Path(__file__).resolve().parents[1]
+    script = tmp_path / "child.py"
+    script.write_text(source)
+    p = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=root, capture_output=True, text=True,
+                       timeout=timeout, env={**os.environ, "PYTHONPATH": str(root)})
+    lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, p.stdout[-3000:] + p.stderr[-5000:]
+    out = json.loads(lines[-1][len("RESULT "):])
+    print(out)
+    return out
+
+
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm not installed")
 def test_adapter_only_sync_merged_fallback_and_exports_in_the_engine(tmp_path):
     from runtime.backends import vllm_backend as vb
 
     if not vb.is_cpu_build():
         pytest.skip("the CPU build's in-process engine (tests/test_gpu.py covers CUDA)")
-    root = Path(__file__).resolve().parents[1]
-    script = tmp_path / "child.py"
-    script.write_text(_CHILD)
-    p = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=root, capture_output=True, text=True,
-                       timeout=900, env={**os.environ, "PYTHONPATH": str(root)})
-    lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
-    assert p.returncode == 0 and lines, p.stdout[-3000:] + p.stderr[-5000:]
-    out = json.loads(lines[-1][len("RESULT "):])
-    print(out)
+    out = _child(_CHILD, tmp_path, 900)
     tol = 1e-4
     assert out["lora_rank"] == 8 and out["start"] < tol and out["generates"]
     assert out["stale"] > 100 * tol, "the update should move the log-probs beyond the engine/learner noise"
@@ -180,15 +187,7 @@ def test_two_engines_serve_the_adapter_merged(tmp_path):
 
     if not vb.is_cpu_build():
         pytest.skip("the CPU build's engines (tests/test_gpu.py covers CUDA)")
-    root = Path(__file__).resolve().parents[1]
-    script = tmp_path / "child.py"
-    script.write_text(_CHILD_TWO)
-    p = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=root, capture_output=True, text=True,
-                       timeout=1200, env={**os.environ, "PYTHONPATH": str(root)})
-    lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
-    assert p.returncode == 0 and lines, p.stdout[-3000:] + p.stderr[-5000:]
-    out = json.loads(lines[-1][len("RESULT "):])
-    print(out)
+    out = _child(_CHILD_TWO, tmp_path, 1200)
     tol = 1e-4
     assert out["mode"] == "merged" and out["engines"] == 2 and out["start"] < tol
     assert out["stale"] > 100 * tol, "the update should move the log-probs beyond the engine/learner noise"

@@ -622,16 +622,21 @@ class EngineSet:
         self.syncs += 1
         self.last_sync = {"kind": "full", "engines": len(live), "mode": self.sync_mode}
 
-    def push_weights(self, named, transport: str = "shm") -> float:
-        """``(name, tensor)`` pairs into every live engine (a kept engine set getting a session's weights)."""
-        t0 = time.time()
+    def _load_all(self, entries) -> None:
+        """``(name, shape, fetch)`` entries into every live engine as the next weight version (after the rollout in
+        flight is closed and every engine woken for the load)."""
         self._close_active()
         live = self.live_indices()
         for i in live:
             self.engines[i]._wake_for_load()
-        named = [(n, t.detach()) for n, t in named]
         self.version += 1
-        self._load_entries(live, [(n, tuple(t.shape), (lambda t=t: t)) for n, t in named], self.version)
+        self._load_entries(live, entries, self.version)
+
+    def push_weights(self, named, transport: str = "shm") -> float:
+        """``(name, tensor)`` pairs into every live engine (a kept engine set getting a session's weights)."""
+        t0 = time.time()
+        named = [(n, t.detach()) for n, t in named]
+        self._load_all([(n, tuple(t.shape), (lambda t=t: t)) for n, t in named])
         return time.time() - t0
 
     def load_folder(self, model_dir: str | os.PathLike) -> float:
@@ -639,18 +644,13 @@ class EngineSet:
         from safetensors import safe_open
 
         t0 = time.time()
-        self._close_active()
-        live = self.live_indices()
-        for i in live:
-            self.engines[i]._wake_for_load()
-        self.version += 1
         with ExitStack() as stack:
             entries = []
             for f in safetensors_files(model_dir):
                 h = stack.enter_context(safe_open(str(f), framework="pt"))
                 for name in h.keys():
                     entries.append((name, tuple(h.get_slice(name).get_shape()), (lambda h=h, n=name: h.get_tensor(n))))
-            self._load_entries(live, entries, self.version)
+            self._load_all(entries)
         return time.time() - t0
 
     def load_weights(self, weights_path: str | os.PathLike) -> float:
@@ -666,12 +666,7 @@ class EngineSet:
         live adapter) into every live engine through the shared segment: several engines serve LoRA merged, never as
         a LoRA request (``vllm_backend.lora_serving``)."""
         t0 = time.time()
-        self._close_active()
-        live = self.live_indices()
-        for i in live:
-            self.engines[i]._wake_for_load()
-        self.version += 1
-        self._load_entries(live, source.merged_entries(), self.version)
+        self._load_all(source.merged_entries())
         self.lora_request = None
         return time.time() - t0
 
