@@ -266,6 +266,11 @@ def main(argv: list[str] | None = None) -> int:
                          "--arms x seeds have a report in --results (held-out success, the arithmetic it trained "
                          "in), which are left, the command for each one left, and whether this machine trains in "
                          "the pieces' arithmetic")
+    ap.add_argument("--next", action="store_true",
+                    help="run only the next piece of a study run in pieces: the first arm and seed of --arms x seeds "
+                         "(seed by seed, in the arms' order) with no report in --results, as --arms ARM --seeds 1 "
+                         "--first-seed S; refused where this machine trains in another arithmetic than the pieces "
+                         "already there (unless --allow-mixed-precision); nothing to do once every piece is in")
     ap.add_argument("--allow-mixed-precision", action="store_true",
                     help="with --merge: merge pieces that trained in different arithmetic (bf16 and fp32 learners, "
                          "or engines of different dtypes), which --merge otherwise refuses; the report says so")
@@ -286,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--seeds must be >= 1")
     if a.status:
         return study_status(a, arms, argv if argv is not None else sys.argv[1:])
+    if a.next:
+        piece = next_piece(a, arms)
+        if piece is None:
+            return 0
+        arms, a.seeds, a.first_seed = [piece[0]], 1, piece[1]
     a.experiment = a.experiment or f"learning-study-{a.env}"
     a.set = absolute_model_path(a.set)
     Path(a.output_dir).mkdir(parents=True, exist_ok=True)
@@ -379,6 +389,29 @@ def warn_other_arithmetic(a: argparse.Namespace, here: dict[str, str]) -> None:
         print(f"warning: {len(other)} piece(s) of this study in {a.results} trained in {_precision_text(p.precision)} "
               f"(e.g. {p.arm} seed {p.seed}, {p.report}); this machine trains in {_precision_text(here)}: this "
               "study's runs will differ from them in arithmetic as well as in arm or seed", flush=True)
+
+
+def next_piece(a: argparse.Namespace, arms: list[str]) -> tuple[str, int] | None:
+    """``--next``: the first (arm, seed) of --arms x seeds without a report in --results (None, said, when every
+    piece is in). Refused (SystemExit) when the pieces there trained in another arithmetic than this machine would,
+    unless --allow-mixed-precision."""
+    seeds = list(range(a.first_seed, a.first_seed + a.seeds))
+    found, missing = piece_plan(pieces_in(named_reports(Path(a.results)), a.env, a.preset), arms, seeds)
+    if not missing:
+        print(f"every piece of {', '.join(arms)} x seeds {seeds[0]}..{seeds[-1]} has a report in {a.results}: "
+              "nothing to run (--merge pools them)", flush=True)
+        return None
+    here = run_precision(preset_config(a.env, a.preset, absolute_model_path(a.set)))
+    done = [p for ps in found.values() for p in ps]
+    other = [p for p in done if precision_conflict([p.precision, here], ["piece", "here"])]
+    if other and not a.allow_mixed_precision:
+        raise SystemExit(f"--next: the pieces in {a.results} trained in {_precision_text(other[0].precision)} (e.g. "
+                         f"{other[0].arm} seed {other[0].seed}), this machine trains in {_precision_text(here)}: a "
+                         "piece from here would differ in arithmetic as well as in arm and seed. Run it on a machine "
+                         "like theirs, or pass --allow-mixed-precision")
+    arm, seed = missing[0]
+    print(f"next piece: {arm} seed {seed} ({len(missing)} of {len(found)} left)", flush=True)
+    return arm, seed
 
 
 def study_status(a: argparse.Namespace, arms: list[str], argv: list[str]) -> int:
@@ -1013,7 +1046,14 @@ def table(report: dict[str, Any]) -> str:
 def write_outputs(a: argparse.Namespace, report: dict[str, Any]) -> None:
     out = Path(a.results)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"learning-study-{a.env}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = f"learning-study-{a.env}"
+    arms = report.get("arms") or {}
+    if not report.get("merged_from") and len(arms) == 1 and report.get("seeds") == 1:  # a piece: its arm and seed
+        arm, part = next(iter(arms.items()))
+        seeds = part.get("seeds") or []
+        if len(seeds) == 1 and isinstance(seeds[0], int):
+            name += f"-{arm}-s{seeds[0]}"
+    stem = out / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     text = table(report)
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
     stem.with_suffix(".md").write_text("```\n" + text + "\n```\n")

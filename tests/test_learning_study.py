@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -311,6 +312,42 @@ def test_status_lists_the_pieces_done_and_the_next_command(tmp_path, capsys):
     assert f"2 piece(s) of this study in {tmp_path} trained in learner {other}" in capsys.readouterr().out
     ls.warn_other_arithmetic(ns, {"learner": other})
     assert capsys.readouterr().out == ""
+
+
+def test_next_runs_the_first_missing_piece_in_the_pieces_arithmetic(tmp_path, capsys):
+    """``--next``: the first arm and seed without a report (seed by seed, in the arms' order); refused where the
+    pieces trained in another arithmetic than this machine (unless --allow-mixed-precision); nothing to run once
+    every piece is in. A piece's report is named after its arm and seed."""
+    ls = _bench()
+    from runtime.backends.hardware import native_bf16
+
+    here = "bf16" if native_bf16() else "fp32"
+    other = "fp32" if here == "bf16" else "bf16"
+    ns = argparse.Namespace(results=str(tmp_path), env="babyai", preset="multistep", first_seed=0, seeds=2, set=[],
+                            allow_mixed_precision=False)
+    assert ls.next_piece(ns, ["scalinginter", "fixed-long"]) == ("scalinginter", 0)  # nothing there yet
+    (tmp_path / "a.json").write_text(json.dumps({**_report([0], arms=["scalinginter"]),
+                                                 "precision": {"learner": here}}))
+    assert ls.next_piece(ns, ["scalinginter", "fixed-long"]) == ("fixed-long", 0)
+    assert "next piece: fixed-long seed 0 (3 of 4 left)" in capsys.readouterr().out
+    (tmp_path / "b.json").write_text(json.dumps({**_report([0], arms=["fixed-long"]),
+                                                 "precision": {"learner": other}}))
+    with pytest.raises(SystemExit, match=f"trained in learner {other}.*this machine trains in learner {here}"):
+        ls.next_piece(ns, ["scalinginter", "fixed-long"])
+    ns.allow_mixed_precision = True
+    assert ls.next_piece(ns, ["scalinginter", "fixed-long"]) == ("scalinginter", 1)
+    ns.seeds = 1
+    assert ls.next_piece(ns, ["scalinginter", "fixed-long"]) is None
+    assert "nothing to run" in capsys.readouterr().out
+    assert ls.main(["--env", "babyai", "--preset", "multistep", "--arms", "scalinginter,fixed-long", "--seeds", "1",
+                    "--results", str(tmp_path), "--next", "--allow-mixed-precision"]) == 0  # trains nothing
+    out = tmp_path / "out"
+    ls.write_outputs(argparse.Namespace(results=str(out), env="babyai"), _report([1], arms=["scalinginter"]))
+    (js,) = out.glob("*.json")
+    assert js.name.startswith("learning-study-babyai-scalinginter-s1-")
+    ls.write_outputs(argparse.Namespace(results=str(out / "two"), env="babyai"), _report([0, 1]))
+    (js,) = (out / "two").glob("*.json")
+    assert re.match(r"learning-study-babyai-\d{8}-\d{6}\.json$", js.name)
 
 
 def test_table_and_plot_show_the_buckets(tmp_path):
