@@ -496,6 +496,10 @@ def test_learning_study_multistep_toy(tmp_path, toy_policy):
     rep = json.loads(js.read_text())
     assert rep["start_model"]["path"] == str(toy_policy)
     assert list(rep["arms"]) == arms
+    from runtime.backends.hardware import native_bf16  # the arithmetic the runs trained in (transformers rollout)
+
+    want = "bf16" if native_bf16() else "fp32"
+    assert rep["precision"] == {"learner": want, "rollout": want}
     assert [rep["arms"][a]["turn_limits"] for a in arms] == [[1, 1], [1, 2], [1, 2]]
     rs = rep["rescore"]["budgets"]  # the starting model scored twice, lock-step: the same outcome on every task
     assert set(rs) == {"1", "2"} and all(r["tasks"] == 4 and r["same"] == 4 for r in rs.values())
