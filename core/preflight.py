@@ -10,7 +10,10 @@ Three questions, each answered from the config and the model's ``config.json`` b
 - **memory**: a rough lower bound of the trainer's resident memory (weights and gradients in fp32, Adam state (fp32,
   or 8-bit with algo.optimizer=adamw8bit),
   the reference and critic copies, the engine's weights and KV cache, activations of one micro-batch, the
-  runtime), against the machine's memory.
+  runtime), against the machine's memory. With several DeepSpeed ranks on the machine every rank holds its part:
+  ZeRO 1 shards the optimizer state over them, 2 the gradients too, 3 the weights too; each rank holds a whole
+  reference, a whole critic (its weights, gradients and AdamW state: it is not sharded) and its micro-batch's
+  activations.
 
 An error names the setting to change; a note is a fact the user should know (e.g. a live-episode cap).
 """
@@ -74,6 +77,8 @@ class RunShape:
     critic: bool  # PPO's critic
     vllm: bool  # a vLLM engine (else transformers generation on the learner's model)
     optimizer_bytes_per_param: int = 8  # OPTIMIZER_STATE_BYTES of algo.optimizer
+    ranks: int = 1  # learner ranks on this machine (DeepSpeed's learner.ranks; 1: the torch learner)
+    zero_stage: int = 0  # DeepSpeed ZeRO stage of those ranks (0: nothing sharded)
 
 
 @dataclass
@@ -130,15 +135,24 @@ def check_run(m: ModelShape, r: RunShape, machine_bytes: int | None, model_name:
                                                              "rollout.vllm_kv_budget_gb for more)" if kv.capped else
                                                              "; all live at once"))
     # memory
-    learner = (8 + r.optimizer_bytes_per_param) * m.params  # fp32 weights and gradients, Adam's two moments
-    extra = (4 * m.params if r.reference else 0) + (16 * m.params if r.critic else 0)
+    n = max(1, r.ranks)
+    stage = r.zero_stage if n > 1 else 0
+
+    def shard(nbytes: int, from_stage: int) -> int:  # a rank's part of what ZeRO shards from that stage on
+        return -(-nbytes // n) if stage >= from_stage else nbytes
+
+    # fp32 weights and gradients, Adam's two moments, on each rank
+    learner = n * (shard(4 * m.params, 3) + shard(4 * m.params, 2) + shard(r.optimizer_bytes_per_param * m.params, 1))
+    extra = n * ((4 * m.params if r.reference else 0) + (16 * m.params if r.critic else 0))
     engine = r.engine_bytes_per_elem * m.params + kv_bytes if r.vllm else 0
     tokens = r.micro_batch_tokens or r.micro_batch_size * r.token_budget
-    acts = tokens * (m.layers * m.hidden * ACT_BYTES_PER_HIDDEN_LAYER + m.vocab * ACT_BYTES_PER_VOCAB)
+    acts = n * tokens * (m.layers * m.hidden * ACT_BYTES_PER_HIDDEN_LAYER + m.vocab * ACT_BYTES_PER_VOCAB)
     p.memory_bytes = learner + extra + engine + acts + RUNTIME_BYTES
-    parts = [f"learner {learner / GiB:.1f}", f"activations {acts / GiB:.1f} ({tokens} tokens per micro-batch)"]
+    each = " on each rank" if n > 1 else ""
+    parts = [f"learner {learner / GiB:.1f}" + (f" ({n} ranks, ZeRO-{stage})" if n > 1 else ""),
+             f"activations {acts / GiB:.1f} ({tokens} tokens per micro-batch{each})"]
     if extra:
-        parts.append(f"reference/critic {extra / GiB:.1f}")
+        parts.append(f"reference/critic {extra / GiB:.1f}" + (f" (whole{each})" if n > 1 else ""))
     if engine:
         parts.append(f"engine {engine / GiB:.1f}")
     parts.append(f"runtime {RUNTIME_BYTES / GiB:.1f}")

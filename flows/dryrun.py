@@ -56,7 +56,9 @@ def run_shape(cfg: RunConfig) -> RunShape:
                     engine_bytes_per_elem=4 if resolve_vllm_dtype(r.vllm_dtype) == "float32" else 2,
                     micro_batch_tokens=a.micro_batch_tokens, micro_batch_size=a.micro_batch_size,
                     reference=a.kl_coef > 0, critic=a.estimator == "ppo", vllm=r.backend == "vllm",
-                    optimizer_bytes_per_param=OPTIMIZER_STATE_BYTES[a.optimizer])
+                    optimizer_bytes_per_param=OPTIMIZER_STATE_BYTES[a.optimizer],
+                    ranks=cfg.learner.ranks if cfg.learner.engine == "deepspeed" else 1,
+                    zero_stage=cfg.learner.zero_stage if cfg.learner.engine == "deepspeed" else 0)
 
 
 @dataclasses.dataclass(frozen=True)

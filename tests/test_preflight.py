@@ -61,6 +61,18 @@ def test_kv_and_memory_plans():
     assert p.memory_bytes == expect
     eight = check_run(m, shape(episodes=96, optimizer_bytes_per_param=2), 24 * GiB)  # algo.optimizer=adamw8bit
     assert p.memory_bytes - eight.memory_bytes == 6 * m.params
+    # two DeepSpeed ranks, ZeRO-2, PPO with a reference: each rank holds the fp32 weights, half the gradients and
+    # half the Adam moments, a whole reference and a whole critic (16 bytes a parameter), its own activations
+    two = check_run(m, shape(episodes=96, ranks=2, zero_stage=2, reference=True, critic=True), 24 * GiB)
+    half = -(-4 * m.params // 2)
+    assert two.memory_bytes == (2 * (4 * m.params + half + -(-8 * m.params // 2)) + 2 * (4 + 16) * m.params
+                                + 2 * m.params + 2 * GiB + 2 * acts + int(1.5 * GiB))
+    line = next(x for x in two.lines if x.startswith("memory:"))
+    assert "(2 ranks, ZeRO-2)" in line and "per micro-batch on each rank" in line and "(whole on each rank)" in line
+    three = check_run(m, shape(episodes=96, ranks=2, zero_stage=3), 24 * GiB)
+    zero1 = check_run(m, shape(episodes=96, ranks=2, zero_stage=1), 24 * GiB)
+    assert zero1.memory_bytes - three.memory_bytes == 2 * (4 * m.params - half) * 2  # weights and grads unsharded
+    assert check_run(m, shape(episodes=96, ranks=1, zero_stage=3), 24 * GiB).memory_bytes == expect
     small = check_run(m, shape(), 4 * GiB)
     assert "more than this machine's 4.0 GiB" in small.errors[0]
     one = check_run(m, shape(token_budget=8000, kv_budget_bytes=GiB // 8), None)
