@@ -19,6 +19,7 @@ from pathlib import Path
 
 OFF_ENV = "SCALINGINTER_TEST_SHARED_API"
 _url: str | None = None  # the shared server's API URL, set once it answered
+_stopping = False  # the session ended: a boot still under way was stopped by ``stop``, which is no failure
 
 
 def runs_the_cli(test_file: Path) -> bool:
@@ -50,7 +51,8 @@ def _boot() -> None:
         server = SubprocessASGIServer(port=None)
         server.start(timeout=300)
     except Exception as e:  # noqa: BLE001  (each CLI run then boots its own server, as without this)
-        print(f"tests: no shared Prefect API ({type(e).__name__}: {e}); each CLI run starts its own")
+        if not _stopping:  # a short session can end while the server still boots: stop() ended it, say nothing
+            print(f"tests: no shared Prefect API ({type(e).__name__}: {e}); each CLI run starts its own")
         return
     _url = server.api_url
     os.environ["PREFECT_API_URL"] = _url
@@ -67,7 +69,8 @@ def own_api_env(env: dict[str, str]) -> dict[str, str]:
 def stop() -> None:
     """Stop the shared server, and any temporary server an in-process flow of the session started: here, while
     pytest's output is open, not in Prefect's exit hook, whose log line would then hit a closed stream."""
-    global _url
+    global _url, _stopping
+    _stopping = True
     if _url is not None and os.environ.get("PREFECT_API_URL") == _url:
         del os.environ["PREFECT_API_URL"]
     _url = None
