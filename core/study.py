@@ -390,6 +390,19 @@ def _override(overrides: Iterable[str], key: str) -> str | None:
     return found
 
 
+def seed_numbers(part: dict[str, Any]) -> list[int | None]:
+    """The training seeds behind a report arm's per-seed lists, in their order (``seeds``, else the per-run health
+    records, else the run names' ``-s<N>``); None where a report does not say."""
+    n = len(part["per_seed_success"])
+    if part.get("seeds") and len(part["seeds"]) == n:
+        return list(part["seeds"])
+    health = part.get("per_seed") or []
+    if len(health) == n and all(h.get("seed") is not None for h in health):
+        return [int(h["seed"]) for h in health]
+    found = [re.search(r"-s(\d+)$", str(x)) for x in part.get("runs") or []]
+    return [int(m.group(1)) if m else None for m in found] if len(found) == n else [None] * n
+
+
 def report_precision(report: dict[str, Any]) -> dict[str, str]:
     """The arithmetic a study report's runs trained in: its recorded ``precision`` (``learner``: bf16 or fp32;
     ``rollout``: the generator's dtype), else, for reports written before it was recorded, the learner's inferred
@@ -445,15 +458,18 @@ def pieces_in(named_reports: Sequence[tuple[str, dict[str, Any]]], env: str, pre
             continue
         prec = report_precision(r)
         for arm, a in r["arms"].items():
-            seeds = a.get("seeds") if isinstance(a.get("seeds"), list) else []
-            if not seeds:  # the seed at the end of each run's name (study-ENV-ARM-sN)
-                seeds = [int(m.group(1)) if m else None
-                         for m in (re.search(r"-s(\d+)$", str(x)) for x in a.get("runs") or [])]
-            rates = a.get("per_seed_success") or []
-            for k, s in enumerate(seeds):
+            rates = a.get("per_seed_success")
+            if not isinstance(rates, list):  # not an arm of a study report
+                continue
+            for k, s in enumerate(seed_numbers(a)):
                 if isinstance(s, int):
-                    out.append(Piece(arm, s, name, rates[k] if k < len(rates) else None, prec))
+                    out.append(Piece(arm, s, name, rates[k], prec))
     return out
+
+
+def other_arithmetic(pieces: Sequence[Piece], here: dict[str, str]) -> list[Piece]:
+    """The pieces that trained in another arithmetic than ``here`` (``precision_conflict`` on the pair)."""
+    return [p for p in pieces if precision_conflict([p.precision, here], ["piece", "here"])]
 
 
 def piece_plan(pieces: Sequence[Piece], arms: Sequence[str], seeds: Sequence[int]

@@ -90,6 +90,7 @@ from core.study import (  # noqa: E402
     finite_number,
     mean_of_dicts,
     merged_precision,
+    other_arithmetic,
     paired_mcnemar,
     paper_claims,
     parse_arms,
@@ -100,6 +101,7 @@ from core.study import (  # noqa: E402
     precision_conflict,
     report_precision,
     retention,
+    seed_numbers,
 )
 
 # per-step keys of metrics.jsonl the report keeps: the stability diagnostics (core.metrics.DIAGNOSTICS), the
@@ -382,8 +384,7 @@ def named_reports(results: Path) -> list[tuple[str, dict[str, Any]]]:
 def warn_other_arithmetic(a: argparse.Namespace, here: dict[str, str]) -> None:
     """Before a study trains: a warning when --results already holds pieces of this env and preset that trained in
     another arithmetic than this machine will (``--merge`` refuses such a mix without --allow-mixed-precision)."""
-    other = [p for p in pieces_in(named_reports(Path(a.results)), a.env, a.preset)
-             if precision_conflict([p.precision, here], ["piece", "here"])]
+    other = other_arithmetic(pieces_in(named_reports(Path(a.results)), a.env, a.preset), here)
     if other:
         p = other[0]
         print(f"warning: {len(other)} piece(s) of this study in {a.results} trained in {_precision_text(p.precision)} "
@@ -391,19 +392,25 @@ def warn_other_arithmetic(a: argparse.Namespace, here: dict[str, str]) -> None:
               "study's runs will differ from them in arithmetic as well as in arm or seed", flush=True)
 
 
+def _plan_pieces(a: argparse.Namespace, arms: list[str]):
+    """The seeds asked for, the pieces found in --results per (arm, seed), those left (``core.study.piece_plan``),
+    and the arithmetic this machine trains the study's config in."""
+    seeds = list(range(a.first_seed, a.first_seed + a.seeds))
+    found, missing = piece_plan(pieces_in(named_reports(Path(a.results)), a.env, a.preset), arms, seeds)
+    here = run_precision(preset_config(a.env, a.preset, absolute_model_path(a.set)))
+    return seeds, found, missing, here
+
+
 def next_piece(a: argparse.Namespace, arms: list[str]) -> tuple[str, int] | None:
     """``--next``: the first (arm, seed) of --arms x seeds without a report in --results (None, said, when every
     piece is in). Refused (SystemExit) when the pieces there trained in another arithmetic than this machine would,
     unless --allow-mixed-precision."""
-    seeds = list(range(a.first_seed, a.first_seed + a.seeds))
-    found, missing = piece_plan(pieces_in(named_reports(Path(a.results)), a.env, a.preset), arms, seeds)
+    seeds, found, missing, here = _plan_pieces(a, arms)
     if not missing:
         print(f"every piece of {', '.join(arms)} x seeds {seeds[0]}..{seeds[-1]} has a report in {a.results}: "
               "nothing to run (--merge pools them)", flush=True)
         return None
-    here = run_precision(preset_config(a.env, a.preset, absolute_model_path(a.set)))
-    done = [p for ps in found.values() for p in ps]
-    other = [p for p in done if precision_conflict([p.precision, here], ["piece", "here"])]
+    other = other_arithmetic([p for ps in found.values() for p in ps], here)
     if other and not a.allow_mixed_precision:
         raise SystemExit(f"--next: the pieces in {a.results} trained in {_precision_text(other[0].precision)} (e.g. "
                          f"{other[0].arm} seed {other[0].seed}), this machine trains in {_precision_text(here)}: a "
@@ -420,9 +427,7 @@ def study_status(a: argparse.Namespace, arms: list[str], argv: list[str]) -> int
     import shlex
 
     results = Path(a.results)
-    seeds = list(range(a.first_seed, a.first_seed + a.seeds))
-    found, missing = piece_plan(pieces_in(named_reports(results), a.env, a.preset), arms, seeds)
-    here = run_precision(preset_config(a.env, a.preset, absolute_model_path(a.set)))
+    seeds, found, missing, here = _plan_pieces(a, arms)
     print(f"study pieces of {a.env} / {a.preset} in {results}: arms {', '.join(arms)} x seeds {seeds[0]}.."
           f"{seeds[-1]}; {len(found) - len(missing)} of {len(found)} done")
     print(f"{'arm':<20}{'seed':>5}  {'held-out':>8}  {'arithmetic':<28}report")
@@ -441,9 +446,10 @@ def study_status(a: argparse.Namespace, arms: list[str], argv: list[str]) -> int
     if conflict:
         print(f"warning: the pieces trained in different arithmetic ({conflict}): --merge refuses them without "
               "--allow-mixed-precision")
-    if done and precision_conflict([done[0].precision, here], ["pieces", "here"]):
+    other = other_arithmetic(done, here)
+    if other:
         print(f"warning: this machine trains in {_precision_text(here)}, the pieces in "
-              f"{_precision_text(done[0].precision)}: a piece run here would differ from them in arithmetic as well "
+              f"{_precision_text(other[0].precision)}: a piece run here would differ from them in arithmetic as well "
               "as in arm or seed")
     if missing:
         keep, skip = [], {"--arms", "--seeds", "--first-seed"}
@@ -748,19 +754,6 @@ def start_recipe(report: dict[str, Any]) -> str | None:
     return None if not w else json.dumps({k: v for k, v in w.items() if k != "epoch_losses"}, sort_keys=True)
 
 
-def _seed_numbers(part: dict[str, Any]) -> list[int | None]:
-    """The training seeds behind an arm's per-seed lists, in their order (``seeds``, else the per-run health
-    records, else the run names' ``-s<N>``); None where a report does not say."""
-    n = len(part["per_seed_success"])
-    if part.get("seeds") and len(part["seeds"]) == n:
-        return list(part["seeds"])
-    health = part.get("per_seed") or []
-    if len(health) == n and all(h.get("seed") is not None for h in health):
-        return [int(h["seed"]) for h in health]
-    found = [re.search(r"-s(\d+)$", str(x)) for x in part.get("runs") or []]
-    return [int(m.group(1)) if m else None for m in found] if len(found) == n else [None] * n
-
-
 def merge_reports(reports: list[dict[str, Any]], allow_mixed_precision: bool = False,
                   names: list[str] | None = None) -> dict[str, Any]:
     """One report from study reports of the same study (same env, preset and held-out tasks) that differ in their
@@ -812,7 +805,7 @@ def merge_reports(reports: list[dict[str, Any]], allow_mixed_precision: bool = F
         for p in have[1:]:
             if "overrides" in p and "overrides" in have[0] and p["overrides"] != have[0]["overrides"]:
                 raise SystemExit(f"--merge: arm {arm} has other overrides: {have[0]['overrides']} vs {p['overrides']}")
-        seen = [s for p in have for s in _seed_numbers(p) if s is not None]
+        seen = [s for p in have for s in seed_numbers(p) if s is not None]
         if len(seen) != len(set(seen)):
             raise SystemExit(f"--merge: arm {arm} has a seed in two reports ({sorted(seen)}): merge each run once")
     budgets = sorted(set.intersection(*(set(int(b) for b in r["budgets"]) for r in reports)))
@@ -830,7 +823,7 @@ def merge_reports(reports: list[dict[str, Any]], allow_mixed_precision: bool = F
     for arm in arm_names:
         # (report index, position in its lists, seed), in seed order (a report's order where seeds are unknown)
         rows = [(i, j, s) for i, r in enumerate(reports) if arm in r["arms"]
-                for j, s in enumerate(_seed_numbers(r["arms"][arm]))]
+                for j, s in enumerate(seed_numbers(r["arms"][arm]))]
         if all(s is not None for _, _, s in rows):
             rows.sort(key=lambda x: x[2])
         parts = [reports[i]["arms"][arm] for i in dict.fromkeys(i for i, _, _ in rows)]

@@ -58,20 +58,25 @@ def engines(toy_policy):
     if not vb.is_cpu_build():
         pytest.skip("the CPU build's loopback test (a CUDA build: tests/test_gpu.py)")
     tok = AutoTokenizer.from_pretrained(toy_policy)
-    cores = len(os.sched_getaffinity(0))
     es = []
     saved = {k: os.environ.get(k) for k in LONG_WAITS}
     os.environ.update({k: saved[k] or v for k, v in LONG_WAITS.items()})
     try:
         for i in range(2):
-            es.append(vb.VLLMBackend(str(toy_policy), tok.eos_token_id, dtype=_dtype(), max_model_len=513,
-                                     kv_cache_gb=0.02, in_process=False, threads=1,
-                                     cpu_cores=str(i % cores)))
+            es.append(_engine(toy_policy, tok, i))
         yield tok, es
     finally:
         for e in es:
             e.close()
         restore_env(saved)
+
+
+def _engine(toy_policy, tok, i: int):
+    """Engine ``i`` of the fixture: its engine core in its own process, bound to core ``i`` (mod the cores)."""
+    from runtime.backends import vllm_backend as vb
+
+    return vb.VLLMBackend(str(toy_policy), tok.eos_token_id, dtype=_dtype(), max_model_len=513, kv_cache_gb=0.02,
+                          in_process=False, threads=1, cpu_cores=str(i % len(os.sched_getaffinity(0))))
 
 
 def _capacity(toy_policy, engine) -> int:
@@ -175,9 +180,7 @@ def test_killing_one_engine_mid_rollout_loses_no_episode(engines, toy_policy):
     started = []
 
     def restart(i):  # slot i again, with the fixture's settings
-        started.append(vb.VLLMBackend(str(toy_policy), tok.eos_token_id, dtype=_dtype(), max_model_len=513,
-                                      kv_cache_gb=0.02, in_process=False, threads=1,
-                                      cpu_cores=str(i % len(os.sched_getaffinity(0)))))
+        started.append(_engine(toy_policy, tok, i))
         return started[-1], cap
 
     torch.manual_seed(0)

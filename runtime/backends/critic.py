@@ -110,7 +110,7 @@ class Critic:
 
         world = dist.get_world_size()
         grads = [p.grad for p in self.net.parameters() if p.grad is not None]
-        if world == 1 or not grads:
+        if not grads:
             return
         flat = torch.cat([g.reshape(-1).float() for g in grads])
         dist.all_reduce(flat)
