@@ -21,6 +21,7 @@ diagnostics (``diag/*`` in ``metrics.jsonl``) over each phase and over seeds.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import statistics
@@ -439,6 +440,33 @@ def merged_precision(precisions: Sequence[dict[str, str]]) -> dict[str, str]:
     return out
 
 
+def seed_precision_conflict(rows: Sequence[tuple[str, int | None, dict[str, str]]]) -> str | None:
+    """One arithmetic per seed: ``rows`` are (piece name, seed, precision); None when the pieces of each seed trained
+    in the same arithmetic (seeds may differ from one another), else ``precision_conflict``'s lines per seed. Rows
+    whose seed is unknown are compared with every other row."""
+    if any(seed is None for _, seed, _ in rows):
+        return precision_conflict([p for _, _, p in rows], [n for n, _, _ in rows])
+    lines = []
+    for seed in sorted({seed for _, seed, _ in rows}):
+        mine = [(n, p) for n, s, p in rows if s == seed]
+        c = precision_conflict([p for _, p in mine], [n for n, _ in mine])
+        if c:
+            lines.append(f"seed {seed}: {c}")
+    return "; ".join(lines) or None
+
+
+def start_key(report: dict[str, Any]) -> str | None:
+    """What makes two pieces' starting models the same for pieces of one seed: a warm start's recipe with its epoch
+    losses to 3 decimals (a remake on a like machine reproduces them; a warm start trained in other arithmetic does
+    not: bf16 0.424 against fp32 0.406 in its first epoch), else the model path; None when the report does not say."""
+    sm = report.get("start_model") or {}
+    w = sm.get("warmstart")
+    if not w:
+        return sm.get("path")
+    losses = [round(float(x), 3) for x in w.get("epoch_losses") or []]
+    return json.dumps({**{k: v for k, v in w.items() if k != "epoch_losses"}, "epoch_losses": losses}, sort_keys=True)
+
+
 @dataclass(frozen=True)
 class Piece:
     """One (arm, seed) run found in a study report."""
@@ -447,6 +475,7 @@ class Piece:
     report: str  # the report's file name
     heldout: float | None  # its held-out success at the report's largest budget
     precision: dict[str, str]
+    start: str | None = None  # ``start_key`` of its report
 
 
 def pieces_in(named_reports: Sequence[tuple[str, dict[str, Any]]], env: str, preset: str) -> list[Piece]:
@@ -463,7 +492,7 @@ def pieces_in(named_reports: Sequence[tuple[str, dict[str, Any]]], env: str, pre
                 continue
             for k, s in enumerate(seed_numbers(a)):
                 if isinstance(s, int):
-                    out.append(Piece(arm, s, name, rates[k], prec))
+                    out.append(Piece(arm, s, name, rates[k], prec, start_key(r)))
     return out
 
 
@@ -482,3 +511,20 @@ def piece_plan(pieces: Sequence[Piece], arms: Sequence[str], seeds: Sequence[int
             found[(p.arm, p.seed)].append(p)
     missing = [(a, s) for s in seeds for a in arms if not found[(a, s)]]
     return found, missing
+
+
+def blocked_seeds(pieces: Sequence[Piece], here: dict[str, str], start: str | None) -> dict[int, str]:
+    """The seeds this machine must not add a piece to, with why: within a seed every arm trains in one arithmetic
+    from one starting model (``start_key``), so that the arms' paired difference on that seed is the arms'; seeds
+    may differ from one another (each is compared with its own starting model). A seed is blocked when one of its
+    pieces trained in another arithmetic than ``here`` or started from another model than ``start``."""
+    out: dict[int, str] = {}
+    for p in pieces:
+        if p.seed in out:
+            continue
+        if precision_conflict([p.precision, here], ["piece", "here"]):
+            got = ", ".join(f"{k} {v}" for k, v in sorted(p.precision.items()))
+            out[p.seed] = f"its pieces trained in {got} ({p.arm}, {p.report})"
+        elif start is not None and p.start is not None and p.start != start:
+            out[p.seed] = f"its pieces started from another model ({p.arm}, {p.report})"
+    return out

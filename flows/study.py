@@ -33,7 +33,9 @@ resumes: finished runs are skipped (their summary exists), an unfinished one res
 per-bucket results and comparisons are recomputed from the per-task outcomes the reports store): a study too long
 for one machine's session runs in pieces, an arm and a seed at a time (``--arms fixed-long --seeds 1 --first-seed
 2``), each piece's report kept, then merged; a piece may start from the warm start made again with the same
-recipe (each seed is then compared with the starting model its own piece scored).
+recipe (each seed is then compared with the starting model its own piece scored). Within a seed every arm trains in
+one arithmetic (bf16 or fp32 learner) from one starting model, so that the arms' paired difference on that seed is
+the arms' alone; seeds may differ, each then compared with its own start (``--status``, ``--next``, ``--merge``).
 
 The starting model is the config's ``model.path`` (default: the base SmolLM2): ``--set model.path=DIR`` starts
 every arm from DIR and scores DIR as the "base" row. ``--warmstart-demos N --warmstart-epochs E`` (and
@@ -83,6 +85,7 @@ from core.study import (  # noqa: E402
     arm_overrides,
     arm_phases,
     bucket_rates,
+    blocked_seeds,
     bucket_stats,
     collapse_check,
     comparison_pairs,
@@ -98,10 +101,11 @@ from core.study import (  # noqa: E402
     piece_plan,
     pieces_in,
     pooled_successes,
-    precision_conflict,
     report_precision,
     retention,
     seed_numbers,
+    seed_precision_conflict,
+    start_key,
 )
 
 # per-step keys of metrics.jsonl the report keeps: the stability diagnostics (core.metrics.DIAGNOSTICS), the
@@ -266,16 +270,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--status", action="store_true",
                     help="no training: for a study run in pieces (one arm and seed per command), list which of "
                          "--arms x seeds have a report in --results (held-out success, the arithmetic it trained "
-                         "in), which are left, the command for each one left, and whether this machine trains in "
-                         "the pieces' arithmetic")
+                         "in), which are left, each seed's arithmetic and whether this machine may add to it, and the "
+                         "command for the next piece it may run")
     ap.add_argument("--next", action="store_true",
                     help="run only the next piece of a study run in pieces: the first arm and seed of --arms x seeds "
                          "(seed by seed, in the arms' order) with no report in --results, as --arms ARM --seeds 1 "
-                         "--first-seed S; refused where this machine trains in another arithmetic than the pieces "
-                         "already there (unless --allow-mixed-precision); nothing to do once every piece is in")
+                         "--first-seed S. One arithmetic and one starting model per seed: a seed whose pieces trained "
+                         "in another arithmetic than this machine's, or from another model.path, is skipped (refused "
+                         "when every seed left is, unless --allow-mixed-precision); nothing to do once every piece is "
+                         "in")
     ap.add_argument("--allow-mixed-precision", action="store_true",
-                    help="with --merge: merge pieces that trained in different arithmetic (bf16 and fp32 learners, "
-                         "or engines of different dtypes), which --merge otherwise refuses; the report says so")
+                    help="with --merge: merge pieces of one seed that trained in different arithmetic (bf16 and "
+                         "fp32 learners, or engines of different dtypes), which --merge otherwise refuses (seeds may "
+                         "differ from one another: the report gives each seed's arithmetic); with --next: run a "
+                         "piece of such a seed")
     a = ap.parse_args(argv)
     if a.merge:
         reports = [json.loads(Path(p).read_text()) for p in a.merge]
@@ -382,52 +390,70 @@ def named_reports(results: Path) -> list[tuple[str, dict[str, Any]]]:
 
 
 def warn_other_arithmetic(a: argparse.Namespace, here: dict[str, str]) -> None:
-    """Before a study trains: a warning when --results already holds pieces of this env and preset that trained in
-    another arithmetic than this machine will (``--merge`` refuses such a mix without --allow-mixed-precision)."""
-    other = other_arithmetic(pieces_in(named_reports(Path(a.results)), a.env, a.preset), here)
+    """Before a study trains: a warning when --results already holds pieces of the seeds it runs (this env and
+    preset) that trained in another arithmetic than this machine will (within a seed, ``--merge`` refuses such a
+    mix without --allow-mixed-precision; seeds may differ from one another)."""
+    seeds = set(range(a.first_seed, a.first_seed + a.seeds))
+    other = [p for p in other_arithmetic(pieces_in(named_reports(Path(a.results)), a.env, a.preset), here)
+             if p.seed in seeds]
     if other:
         p = other[0]
-        print(f"warning: {len(other)} piece(s) of this study in {a.results} trained in {_precision_text(p.precision)} "
-              f"(e.g. {p.arm} seed {p.seed}, {p.report}); this machine trains in {_precision_text(here)}: this "
-              "study's runs will differ from them in arithmetic as well as in arm or seed", flush=True)
+        print(f"warning: {len(other)} piece(s) of seed(s) {', '.join(str(s) for s in sorted({p.seed for p in other}))}"
+              f" of this study in {a.results} trained in {_precision_text(p.precision)} (e.g. {p.arm} seed {p.seed}, "
+              f"{p.report}); this machine trains in {_precision_text(here)}: this study's runs of those seeds will "
+              "differ from them in arithmetic as well as in arm", flush=True)
 
 
 def _plan_pieces(a: argparse.Namespace, arms: list[str]):
     """The seeds asked for, the pieces found in --results per (arm, seed), those left (``core.study.piece_plan``),
-    and the arithmetic this machine trains the study's config in."""
+    the arithmetic this machine trains the study's config in, and the seeds this machine must not add to
+    (``core.study.blocked_seeds``: their pieces trained in other arithmetic or from another starting model)."""
     seeds = list(range(a.first_seed, a.first_seed + a.seeds))
     found, missing = piece_plan(pieces_in(named_reports(Path(a.results)), a.env, a.preset), arms, seeds)
-    here = run_precision(preset_config(a.env, a.preset, absolute_model_path(a.set)))
-    return seeds, found, missing, here
+    cfg = preset_config(a.env, a.preset, absolute_model_path(a.set))
+    here = run_precision(cfg)
+    start = start_key({"start_model": start_model_record(cfg.model.path, None)})
+    blocked = blocked_seeds([p for ps in found.values() for p in ps], here, start)
+    return seeds, found, missing, here, blocked
+
+
+def _blocked_text(blocked: dict[int, str], here: dict[str, str]) -> str:
+    return "; ".join(f"seed {s}: {why}" for s, why in sorted(blocked.items())) + (
+        f"; this machine trains in {_precision_text(here)}")
 
 
 def next_piece(a: argparse.Namespace, arms: list[str]) -> tuple[str, int] | None:
-    """``--next``: the first (arm, seed) of --arms x seeds without a report in --results (None, said, when every
-    piece is in). Refused (SystemExit) when the pieces there trained in another arithmetic than this machine would,
-    unless --allow-mixed-precision."""
-    seeds, found, missing, here = _plan_pieces(a, arms)
+    """``--next``: the first (arm, seed) of --arms x seeds without a report in --results that this machine may run
+    (None, said, when every piece is in). One arithmetic and one starting model per seed: a seed whose pieces
+    trained in another arithmetic or from another model is skipped (``core.study.blocked_seeds``); refused
+    (SystemExit) when every seed left is, unless --allow-mixed-precision."""
+    seeds, found, missing, here, blocked = _plan_pieces(a, arms)
     if not missing:
         print(f"every piece of {', '.join(arms)} x seeds {seeds[0]}..{seeds[-1]} has a report in {a.results}: "
               "nothing to run (--merge pools them)", flush=True)
         return None
-    other = other_arithmetic([p for ps in found.values() for p in ps], here)
-    if other and not a.allow_mixed_precision:
-        raise SystemExit(f"--next: the pieces in {a.results} trained in {_precision_text(other[0].precision)} (e.g. "
-                         f"{other[0].arm} seed {other[0].seed}), this machine trains in {_precision_text(here)}: a "
-                         "piece from here would differ in arithmetic as well as in arm and seed. Run it on a machine "
-                         "like theirs, or pass --allow-mixed-precision")
-    arm, seed = missing[0]
-    print(f"next piece: {arm} seed {seed} ({len(missing)} of {len(found)} left)", flush=True)
+    mine = missing if a.allow_mixed_precision else [m for m in missing if m[1] not in blocked]
+    if not mine:
+        left = {s for _, s in missing}
+        raise SystemExit(f"--next: every seed left has pieces this machine must not add to: "
+                         f"{_blocked_text({s: w for s, w in blocked.items() if s in left}, here)}. Within a seed every arm trains in one arithmetic from one "
+                         "starting model: run these on a machine like theirs (with their model.path), add a seed "
+                         "(--seeds), or pass --allow-mixed-precision")
+    arm, seed = mine[0]
+    skipped = sorted({s for _, s in missing if s in blocked and s < seed})
+    why = f"; skipped seed(s) {', '.join(map(str, skipped))}: {_blocked_text({s: blocked[s] for s in skipped}, here)}" \
+        if skipped and not a.allow_mixed_precision else ""
+    print(f"next piece: {arm} seed {seed} ({len(missing)} of {len(found)} left{why})", flush=True)
     return arm, seed
 
 
 def study_status(a: argparse.Namespace, arms: list[str], argv: list[str]) -> int:
-    """``--status``: the pieces of --arms x seeds found in --results, those left with the command for each, and
-    whether this machine trains in the pieces' arithmetic (``core.study.piece_plan``)."""
+    """``--status``: the pieces of --arms x seeds found in --results, those left, each seed's arithmetic and whether
+    this machine may add to it (``core.study.blocked_seeds``), and the command for the next piece it may run."""
     import shlex
 
     results = Path(a.results)
-    seeds, found, missing, here = _plan_pieces(a, arms)
+    seeds, found, missing, here, blocked = _plan_pieces(a, arms)
     print(f"study pieces of {a.env} / {a.preset} in {results}: arms {', '.join(arms)} x seeds {seeds[0]}.."
           f"{seeds[-1]}; {len(found) - len(missing)} of {len(found)} done")
     print(f"{'arm':<20}{'seed':>5}  {'held-out':>8}  {'arithmetic':<28}report")
@@ -442,16 +468,21 @@ def study_status(a: argparse.Namespace, arms: list[str], argv: list[str]) -> int
         print(f"warning: {arm} seed {seed} is in {len(names)} reports ({', '.join(names)}): --merge takes each run "
               "once, pass one of them")
     done = [p for ps in found.values() for p in ps]
-    conflict = precision_conflict([p.precision for p in done], [f"{p.arm} s{p.seed}" for p in done])
+    conflict = seed_precision_conflict([(f"{p.arm} s{p.seed}", p.seed, p.precision) for p in done])
     if conflict:
-        print(f"warning: the pieces trained in different arithmetic ({conflict}): --merge refuses them without "
-              "--allow-mixed-precision")
-    other = other_arithmetic(done, here)
-    if other:
-        print(f"warning: this machine trains in {_precision_text(here)}, the pieces in "
-              f"{_precision_text(other[0].precision)}: a piece run here would differ from them in arithmetic as well "
-              "as in arm or seed")
-    if missing:
+        print(f"warning: pieces of one seed trained in different arithmetic ({conflict}): --merge refuses them "
+              "without --allow-mixed-precision")
+    for seed in seeds:
+        have = sorted({_precision_text(p.precision) for p in done if p.seed == seed})
+        if have:
+            print(f"seed {seed}: trained in {' and '.join(have)}"
+                  + (f"; this machine must not add to it: {blocked[seed]}, this machine trains in "
+                     f"{_precision_text(here)}" if seed in blocked else ""))
+    runnable = [m for m in missing if m[1] not in blocked]
+    if missing and not runnable:
+        print(f"none of the {len(missing)} pieces left can run on this machine (one arithmetic and one starting model "
+              "per seed): run them on a machine like theirs, or add a seed (--seeds)")
+    if runnable:
         keep, skip = [], {"--arms", "--seeds", "--first-seed"}
         it = iter(argv)
         for x in it:
@@ -463,9 +494,10 @@ def study_status(a: argparse.Namespace, arms: list[str], argv: list[str]) -> int
                     next(it, None)
                 continue
             keep.append(x)
-        arm, seed = missing[0]
+        arm, seed = runnable[0]
         cmd = ["scalinginter", "study", *keep, "--arms", arm, "--seeds", "1", "--first-seed", str(seed)]
-        print(f"next ({len(missing)} left): " + " ".join(shlex.quote(c) for c in cmd))
+        here_only = f", {len(runnable)} of them on this machine" if len(runnable) < len(missing) else ""
+        print(f"next ({len(missing)} left{here_only}): " + " ".join(shlex.quote(c) for c in cmd))
     return 0
 
 
@@ -777,11 +809,14 @@ def merge_reports(reports: list[dict[str, Any]], allow_mixed_precision: bool = F
         raise SystemExit("--merge needs two or more reports")
     names = names or [f"report {k + 1}" for k in range(len(reports))]
     precisions = [report_precision(r) for r in reports]
-    conflict = precision_conflict(precisions, names)
+    seed_rows = [(n, s, p) for n, r, p in zip(names, reports, precisions)
+                 for a in r["arms"].values() for s in seed_numbers(a)]
+    conflict = seed_precision_conflict(seed_rows)
     if conflict and not allow_mixed_precision:
-        raise SystemExit(f"--merge: the reports trained in different arithmetic ({conflict}): pieces of one study "
-                         "should differ in arm and seed only. Run the missing pieces on a machine like the others' "
-                         "(scalinginter study --status lists them), or pass --allow-mixed-precision to merge anyway")
+        raise SystemExit(f"--merge: pieces of one seed trained in different arithmetic ({conflict}): within a seed the "
+                         "arms should differ in arm only. Run the missing pieces of that seed on a machine like the "
+                         "others' (scalinginter study --status lists them), or pass --allow-mixed-precision to merge "
+                         "anyway")
     first = reports[0]
     remade = False
     for r in reports[1:]:
@@ -889,6 +924,13 @@ def merge_reports(reports: list[dict[str, Any]], allow_mixed_precision: bool = F
               "budgets": budgets, "experiment": first["experiment"], "start_model": first.get("start_model"),
               "machine": "; ".join(sorted({r["machine"] for r in reports})),
               "precision": merged_precision(precisions)}
+    by_seed = {}
+    for _, seed, prec in seed_rows:
+        if seed is not None:
+            by_seed.setdefault(str(seed), []).append(prec)
+    if by_seed:  # the arithmetic each seed trained in (seeds may differ; within a seed --merge refuses a mix)
+        report["precision_by_seed"] = {k: merged_precision(v) for k, v in sorted(by_seed.items(),
+                                                                                 key=lambda x: int(x[0]))}
     if len(set(seeds_per_arm)) > 1:
         report["seeds_per_arm"] = {arm: n for arm, n in zip(arms_out, seeds_per_arm)}
     if first.get("task_ids"):
@@ -957,11 +999,25 @@ def _starts(report: dict[str, Any]) -> str:
             "compared with its own")
 
 
+def _arithmetic(report: dict[str, Any]) -> str:
+    """The table's arithmetic line: the report's, and each seed's where the seeds differ."""
+    text = _precision_text(report["precision"])
+    by_seed = report.get("precision_by_seed") or {}
+    if len({_precision_text(p) for p in by_seed.values()}) > 1:
+        groups: dict[str, list[str]] = {}
+        for seed, p in by_seed.items():
+            groups.setdefault(_precision_text(p), []).append(seed)
+        text += " (" + "; ".join(f"seed{'s' if len(v) > 1 else ''} {', '.join(v)}: {k}" for k, v in groups.items()) + \
+            "; within a seed, one)"
+    return text
+
+
 def table(report: dict[str, Any]) -> str:
     big = max(report["budgets"])
     lines = [f"learning study: {report['env']}, preset {report['preset']}, {report['seeds']} seed(s), "
              f"held-out n={report['eval_n']} at {big} turns (greedy); {report['machine']}",
              f"starting model: {describe_start(report.get('start_model'))}" + _starts(report),
+             *([f"arithmetic: {_arithmetic(report)}"] if report.get("precision") else []),
              "(95% CI: seeds x tasks = a bootstrap over seeds and tasks, with the seed-to-seed variation; episodes = "
              "Wilson over all seeds' episodes as if independent)",
              f"{'arm':<20}{'limits':<12}{'held-out':>10}{'CI seeds x tasks':>18}{'CI episodes':>16}"

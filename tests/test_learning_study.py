@@ -261,24 +261,32 @@ def test_merge_of_a_study_run_in_pieces_with_the_warm_start_made_again(tmp_path)
         ls.merge_reports([p1, _report([0], arms=["fixed-long"], start=start_a, base=base_b)])
 
 
-def test_merge_refuses_pieces_in_other_arithmetic_unless_allowed():
-    """A piece trained with an fp32 learner (a machine without native bf16) beside bf16 pieces: refused, naming each
-    piece's arithmetic; merged with --allow-mixed-precision, the report says it is mixed."""
+def test_merge_refuses_pieces_of_one_seed_in_other_arithmetic_unless_allowed():
+    """Within a seed, a piece trained with an fp32 learner (a machine without native bf16) beside a bf16 piece:
+    refused, naming each piece's arithmetic; merged with --allow-mixed-precision, the report says it is mixed. Seeds
+    in different arithmetic merge, the report giving each seed's."""
     ls = _bench()
     p0 = {**_report([0], arms=["scalinginter"]), "machine": "2 cores, avx512_bf16"}  # inferred: learner bf16
-    p1 = {**_report([1], arms=["scalinginter"]), "precision": {"learner": "fp32", "rollout": "float32"}}
-    with pytest.raises(SystemExit, match=r"different arithmetic \(learner: a bf16, b fp32\).*--allow-mixed"):
+    p1 = {**_report([0], arms=["fixed-long"]), "precision": {"learner": "fp32", "rollout": "float32"}}
+    with pytest.raises(SystemExit, match=r"one seed trained in different arithmetic \(seed 0: learner: a bf16, "
+                                         r"b fp32\).*--allow-mixed"):
         ls.merge_reports([p0, p1], names=["a", "b"])
     m = ls.merge_reports([p0, p1], allow_mixed_precision=True, names=["a", "b"])
     assert m["precision"] == {"learner": "mixed (bf16, fp32)", "rollout": "float32"}
-    p2 = {**_report([1], arms=["scalinginter"]), "precision": {"learner": "bf16", "rollout": "bfloat16"}}
-    assert ls.merge_reports([p0, p2])["precision"] == {"learner": "bf16", "rollout": "bfloat16"}
+    assert m["precision_by_seed"] == {"0": {"learner": "mixed (bf16, fp32)", "rollout": "float32"}}
+    p2 = {**_report([1], arms=["scalinginter", "fixed-long"]), "precision": {"learner": "fp32", "rollout": "float32"}}
+    m = ls.merge_reports([p0, {**p1, "precision": {"learner": "bf16"}}, p2], names=["a", "b", "c"])
+    assert m["precision_by_seed"] == {"0": {"learner": "bf16"}, "1": {"learner": "fp32", "rollout": "float32"}}
+    assert "arithmetic: learner mixed (bf16, fp32), rollout float32 (seed 0: learner bf16; seed 1: learner fp32, " \
+           "rollout float32; within a seed, one)" in ls.table(m)
+    p3 = {**_report([1], arms=["scalinginter"]), "precision": {"learner": "bf16", "rollout": "bfloat16"}}
+    assert ls.merge_reports([p0, p3])["precision"] == {"learner": "bf16", "rollout": "bfloat16"}
 
 
 def test_status_lists_the_pieces_done_and_the_next_command(tmp_path, capsys):
     """``scalinginter study --status``: the pieces in --results (each arm and seed, its held-out success and
-    arithmetic; a merged report and another preset's ignored), those left, the command for the next one, and a
-    warning when this machine trains in another arithmetic than the pieces."""
+    arithmetic; a merged report and another preset's ignored), those left, each seed's arithmetic and whether this
+    machine may add to it, and the command for the next piece it may run."""
     ls = _bench()
     from runtime.backends.hardware import native_bf16
 
@@ -292,9 +300,11 @@ def test_status_lists_the_pieces_done_and_the_next_command(tmp_path, capsys):
     (tmp_path / "m.json").write_text(json.dumps(merged))
     (tmp_path / "x.json").write_text(json.dumps({**p0, "preset": "tiny"}))
     (tmp_path / "broken.json").write_text("{")
-    argv = ["--env", "babyai", "--preset", "multistep", "--arms", "scalinginter,fixed-long", "--seeds", "2",
-            "--results", str(tmp_path), "--budgets", "2,4", "--status"]
-    assert ls.main(argv) == 0
+    def argv(seeds):
+        return ["--env", "babyai", "--preset", "multistep", "--arms", "scalinginter,fixed-long", "--seeds", seeds,
+                "--results", str(tmp_path), "--set", "model.path=/m", "--budgets", "2,4", "--status"]
+
+    assert ls.main(argv("2")) == 0
     out = capsys.readouterr().out
     assert "2 of 4 done" in out
     rows = [x.split() for x in out.splitlines() if x.startswith(("scalinginter ", "fixed-long "))]
@@ -302,45 +312,74 @@ def test_status_lists_the_pieces_done_and_the_next_command(tmp_path, capsys):
                                      ["fixed-long", "1"]]
     assert rows[0][2] == f"{p0['arms']['scalinginter']['per_seed_success'][0]:.3f}" and rows[0][-1] == "a.json"
     assert rows[2][-2:] == ["(to", "run)"] and rows[3][-2:] == ["(to", "run)"]
-    assert f"this machine trains in learner {here}" in out and f"the pieces in learner {other}" in out
+    assert f"seed 0: trained in learner {other}; this machine must not add to it: its pieces trained in learner " \
+        f"{other} (scalinginter, a.json), this machine trains in learner {here}" in out
     nxt = next(x for x in out.splitlines() if x.startswith("next (2 left): "))
     assert nxt.endswith("--budgets 2,4 --arms scalinginter --seeds 1 --first-seed 1")
     assert "--status" not in nxt and "--arms scalinginter,fixed-long" not in nxt
-    # a study started here with such pieces in its --results says so before it trains
-    ns = argparse.Namespace(results=str(tmp_path), env="babyai", preset="multistep")
+    # the pieces of seed 1 in this machine's arithmetic: the next one here is seed 1's fixed-long
+    (tmp_path / "c.json").write_text(json.dumps({**_report([1], arms=["scalinginter"]), "precision": {"learner": here}}))
+    assert ls.main(argv("3")) == 0
+    out = capsys.readouterr().out
+    assert "3 of 6 done" in out and f"seed 1: trained in learner {here}\n" in out
+    assert next(x for x in out.splitlines() if x.startswith("next (")).startswith("next (3 left): ")
+    d = {**_report([1], arms=["fixed-long"]), "precision": {"learner": other}}
+    d["arms"]["fixed-long"]["seeds"] = [2]  # seed 2's fixed-long, in the other arithmetic
+    (tmp_path / "d.json").write_text(json.dumps(d))
+    assert ls.main(argv("3")) == 0
+    out = capsys.readouterr().out
+    assert "next (2 left, 1 of them on this machine): " in out and out.rstrip().endswith("--first-seed 1")
+    # a study started here with such pieces of the seeds it runs in its --results says so before it trains
+    ns = argparse.Namespace(results=str(tmp_path), env="babyai", preset="multistep", first_seed=0, seeds=1)
     ls.warn_other_arithmetic(ns, {"learner": here})
-    assert f"2 piece(s) of this study in {tmp_path} trained in learner {other}" in capsys.readouterr().out
+    assert f"2 piece(s) of seed(s) 0 of this study in {tmp_path} trained in learner {other}" in capsys.readouterr().out
     ls.warn_other_arithmetic(ns, {"learner": other})
+    assert capsys.readouterr().out == ""
+    ns.first_seed = 1
+    ls.warn_other_arithmetic(ns, {"learner": here})  # seed 1's piece trained here's way
     assert capsys.readouterr().out == ""
 
 
 def test_next_runs_the_first_missing_piece_in_the_pieces_arithmetic(tmp_path, capsys):
-    """``--next``: the first arm and seed without a report (seed by seed, in the arms' order); refused where the
-    pieces trained in another arithmetic than this machine (unless --allow-mixed-precision); nothing to run once
-    every piece is in. A piece's report is named after its arm and seed."""
+    """``--next``: the first arm and seed without a report (seed by seed, in the arms' order) whose seed has no piece
+    in another arithmetic than this machine's; refused where every seed left has (unless --allow-mixed-precision);
+    nothing to run once every piece is in. A piece's report is named after its arm and seed."""
     ls = _bench()
     from runtime.backends.hardware import native_bf16
 
     here = "bf16" if native_bf16() else "fp32"
     other = "fp32" if here == "bf16" else "bf16"
-    ns = argparse.Namespace(results=str(tmp_path), env="babyai", preset="multistep", first_seed=0, seeds=2, set=[],
-                            allow_mixed_precision=False)
+    ns = argparse.Namespace(results=str(tmp_path), env="babyai", preset="multistep", first_seed=0, seeds=2,
+                            set=["model.path=/m"], allow_mixed_precision=False)
     assert ls.next_piece(ns, ["scalinginter", "fixed-long"]) == ("scalinginter", 0)  # nothing there yet
     (tmp_path / "a.json").write_text(json.dumps({**_report([0], arms=["scalinginter"]),
                                                  "precision": {"learner": here}}))
     assert ls.next_piece(ns, ["scalinginter", "fixed-long"]) == ("fixed-long", 0)
     assert "next piece: fixed-long seed 0 (3 of 4 left)" in capsys.readouterr().out
-    (tmp_path / "b.json").write_text(json.dumps({**_report([0], arms=["fixed-long"]),
+    (tmp_path / "b.json").write_text(json.dumps({**_report([1], arms=["scalinginter"]),
                                                  "precision": {"learner": other}}))
-    with pytest.raises(SystemExit, match=f"trained in learner {other}.*this machine trains in learner {here}"):
+    assert ls.next_piece(ns, ["scalinginter", "fixed-long"]) == ("fixed-long", 0)  # seed 0 still first
+    (tmp_path / "c.json").write_text(json.dumps({**_report([0], arms=["fixed-long"]),
+                                                 "precision": {"learner": other}}))  # seed 0 mixed already
+    with pytest.raises(SystemExit, match=f"left has pieces this machine must not add to: seed 1: its pieces trained "
+                                         f"in learner {other}.*this machine trains in learner {here}"):
         ls.next_piece(ns, ["scalinginter", "fixed-long"])
-    ns.allow_mixed_precision = True
-    assert ls.next_piece(ns, ["scalinginter", "fixed-long"]) == ("scalinginter", 1)
+    ns.seeds = 3  # a seed with no piece yet: any arithmetic may start it
+    assert ls.next_piece(ns, ["scalinginter", "fixed-long"]) == ("scalinginter", 2)
+    assert "skipped seed(s) 1: seed 1: its pieces trained in learner" in capsys.readouterr().out
+    ns.seeds, ns.allow_mixed_precision = 2, True
+    assert ls.next_piece(ns, ["scalinginter", "fixed-long"]) == ("fixed-long", 1)
     ns.seeds = 1
+    (tmp_path / "c.json").unlink()
+    (tmp_path / "e.json").write_text(json.dumps({**_report([0], arms=["fixed-long"]), "precision": {"learner": here}}))
     assert ls.next_piece(ns, ["scalinginter", "fixed-long"]) is None
     assert "nothing to run" in capsys.readouterr().out
     assert ls.main(["--env", "babyai", "--preset", "multistep", "--arms", "scalinginter,fixed-long", "--seeds", "1",
-                    "--results", str(tmp_path), "--next", "--allow-mixed-precision"]) == 0  # trains nothing
+                    "--results", str(tmp_path), "--set", "model.path=/m", "--next"]) == 0  # trains nothing
+    (tmp_path / "e.json").unlink()  # seed 0's piece left started from /m, not from the model.path asked for
+    ns.set, ns.allow_mixed_precision = ["model.path=/elsewhere"], False
+    with pytest.raises(SystemExit, match=r"seed 0: its pieces started from another model \(scalinginter, a.json\)"):
+        ls.next_piece(ns, ["scalinginter", "fixed-long"])
     out = tmp_path / "out"
     ls.write_outputs(argparse.Namespace(results=str(out), env="babyai"), _report([1], arms=["scalinginter"]))
     (js,) = out.glob("*.json")

@@ -461,3 +461,31 @@ def test_pieces_in_and_piece_plan_by_hand():
     assert [p.report for p in found[("scalinginter", 1)]] == ["two.json", "again.json"]
     assert missing == [("fixed-long", 0)]  # seed 2 and fixed-short were not asked for
     assert piece_plan([], ["a"], [3, 4]) == ({("a", 3): [], ("a", 4): []}, [("a", 3), ("a", 4)])
+
+
+def test_one_arithmetic_and_one_start_per_seed_by_hand():
+    """Seeds may differ in arithmetic and starting model; the pieces of one seed may not (their arms' paired
+    difference would carry it)."""
+    from core.study import Piece, blocked_seeds, seed_precision_conflict, start_key
+
+    bf, fp = {"learner": "bf16"}, {"learner": "fp32"}
+    assert seed_precision_conflict([("a", 0, bf), ("b", 0, bf), ("c", 1, fp), ("d", 1, fp)]) is None
+    assert seed_precision_conflict([("a", 0, bf), ("b", 0, fp), ("c", 1, fp)]) == "seed 0: learner: a bf16, b fp32"
+    assert seed_precision_conflict([("a", 0, bf), ("c", None, fp)]) == "learner: a bf16, c fp32"  # unknown: vs all
+    warm = {"source_model": "m", "epochs": 2, "lr": 5e-5, "epoch_losses": [0.42391, 0.13884]}
+    again = {"start_model": {"path": "/x", "warmstart": {**warm, "epoch_losses": [0.42389, 0.13876]}}}
+    assert start_key({"start_model": {"path": "/w", "warmstart": warm}}) == start_key(again)  # 3 decimals
+    fp32_start = {"start_model": {"path": "/w", "warmstart": {**warm, "epoch_losses": [0.406, 0.13884]}}}
+    assert start_key(fp32_start) != start_key(again)
+    assert start_key({"start_model": {"path": "/base", "warmstart": None}}) == "/base"
+    assert start_key({}) is None
+    k_bf, k_fp = start_key(again), start_key(fp32_start)
+    pieces = [Piece("scalinginter", 0, "a.json", 0.5, bf, k_bf), Piece("fixed-short", 0, "b.json", 0.3, bf, k_bf),
+              Piece("scalinginter", 1, "c.json", 0.4, fp, k_fp), Piece("fixed-short", 2, "d.json", 0.4, fp, None)]
+    assert blocked_seeds(pieces, fp, k_fp) == {0: "its pieces trained in learner bf16 (scalinginter, a.json)"}
+    assert blocked_seeds(pieces, bf, k_bf) == {1: "its pieces trained in learner fp32 (scalinginter, c.json)",
+                                               2: "its pieces trained in learner fp32 (fixed-short, d.json)"}
+    assert blocked_seeds(pieces, fp, "/other") == {
+        0: "its pieces trained in learner bf16 (scalinginter, a.json)",
+        1: "its pieces started from another model (scalinginter, c.json)"}  # seed 2's start unknown: not blocked
+    assert blocked_seeds(pieces, fp, None) == {0: "its pieces trained in learner bf16 (scalinginter, a.json)"}
