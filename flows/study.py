@@ -99,6 +99,7 @@ from core.study import (  # noqa: E402
     parse_arms,
     phase_means,
     piece_plan,
+    piece_progress,
     pieces_in,
     pooled_successes,
     report_precision,
@@ -414,7 +415,7 @@ def _plan_pieces(a: argparse.Namespace, arms: list[str]):
     here = run_precision(cfg)
     start = start_key({"start_model": start_model_record(cfg.model.path, None)})
     blocked = blocked_seeds([p for ps in found.values() for p in ps], here, start)
-    return seeds, found, missing, here, blocked
+    return seeds, found, missing, here, blocked, [p.model_dump() for p in cfg.curriculum.phases]
 
 
 def _blocked_text(blocked: dict[int, str], here: dict[str, str]) -> str:
@@ -427,7 +428,7 @@ def next_piece(a: argparse.Namespace, arms: list[str]) -> tuple[str, int] | None
     (None, said, when every piece is in). One arithmetic and one starting model per seed: a seed whose pieces
     trained in another arithmetic or from another model is skipped (``core.study.blocked_seeds``); refused
     (SystemExit) when every seed left is, unless --allow-mixed-precision."""
-    seeds, found, missing, here, blocked = _plan_pieces(a, arms)
+    seeds, found, missing, here, blocked, _ = _plan_pieces(a, arms)
     if not missing:
         print(f"every piece of {', '.join(arms)} x seeds {seeds[0]}..{seeds[-1]} has a report in {a.results}: "
               "nothing to run (--merge pools them)", flush=True)
@@ -447,19 +448,39 @@ def next_piece(a: argparse.Namespace, arms: list[str]) -> tuple[str, int] | None
     return arm, seed
 
 
+def _in_progress(a: argparse.Namespace, arm: str, seed: int, phases: list[dict]) -> str:
+    """A piece without a report: how far its run in --output-dir got (``core.study.piece_progress``), if it
+    started; the same command resumes it."""
+    run_dir = Path(a.output_dir) / f"study-{a.env}-{arm}-s{seed}"
+    if (run_dir / "summary.json").exists():
+        return f"(trained in {a.output_dir}; its held-out scoring and report are left)"
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.exists():
+        return "(to run)"
+    records = []
+    for line in metrics.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:  # a line cut by a kill
+            continue
+    prog = piece_progress([r for r in records if "global_step" in r], arm_phases(phases, arm))
+    left = f", about {prog['left_s'] / 3600:.1f} h of training left at its pace" if prog["left_s"] is not None else ""
+    return f"(in progress in {a.output_dir}: step {prog['done']}/{prog['total']}{left}; its command resumes it)"
+
+
 def study_status(a: argparse.Namespace, arms: list[str], argv: list[str]) -> int:
     """``--status``: the pieces of --arms x seeds found in --results, those left, each seed's arithmetic and whether
     this machine may add to it (``core.study.blocked_seeds``), and the command for the next piece it may run."""
     import shlex
 
     results = Path(a.results)
-    seeds, found, missing, here, blocked = _plan_pieces(a, arms)
+    seeds, found, missing, here, blocked, phases = _plan_pieces(a, arms)
     print(f"study pieces of {a.env} / {a.preset} in {results}: arms {', '.join(arms)} x seeds {seeds[0]}.."
           f"{seeds[-1]}; {len(found) - len(missing)} of {len(found)} done")
     print(f"{'arm':<20}{'seed':>5}  {'held-out':>8}  {'arithmetic':<28}report")
     for (arm, seed), ps in found.items():
         if not ps:
-            print(f"{arm:<20}{seed:>5}  {'-':>8}  {'-':<28}(to run)")
+            print(f"{arm:<20}{seed:>5}  {'-':>8}  {'-':<28}{_in_progress(a, arm, seed, phases)}")
         for p in ps:
             held = f"{p.heldout:.3f}" if p.heldout is not None else "?"
             print(f"{arm:<20}{seed:>5}  {held:>8}  {_precision_text(p.precision):<28}{p.report}")

@@ -312,6 +312,20 @@ def test_status_lists_the_pieces_done_and_the_next_command(tmp_path, capsys):
                                      ["fixed-long", "1"]]
     assert rows[0][2] == f"{p0['arms']['scalinginter']['per_seed_success'][0]:.3f}" and rows[0][-1] == "a.json"
     assert rows[2][-2:] == ["(to", "run)"] and rows[3][-2:] == ["(to", "run)"]
+    # a piece under way in --output-dir: how far it got and the training time left at its pace (the multistep
+    # preset: 10 steps each at 3, 6 and 10 turns; 2 steps done at 3 turns in 3,600 s, one logged twice across a
+    # resume: 600 s a unit of turn limit, times 8 x 3 + 10 x 6 + 10 x 10 = 184 units left = 30.7 h)
+    run = tmp_path / "runs" / "study-babyai-scalinginter-s1"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"global_step": g, "turn_limit": 3, "step_time_s": t}) + "\n"
+                                               for g, t in ((1, 1500.0), (2, 99.0), (2, 2100.0))) + '{"global_st')
+    assert ls.main(argv("2") + ["--output-dir", str(tmp_path / "runs")]) == 0
+    row = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("scalinginter            1"))
+    assert row.endswith(f"(in progress in {tmp_path / 'runs'}: step 2/30, about 30.7 h of training left at its pace; "
+                        "its command resumes it)")
+    (run / "summary.json").write_text("{}")
+    assert ls.main(argv("2") + ["--output-dir", str(tmp_path / "runs")]) == 0
+    assert "its held-out scoring and report are left" in capsys.readouterr().out
     assert f"seed 0: trained in learner {other}; this machine must not add to it: its pieces trained in learner " \
         f"{other} (scalinginter, a.json), this machine trains in learner {here}" in out
     nxt = next(x for x in out.splitlines() if x.startswith("next (2 left): "))

@@ -489,3 +489,17 @@ def test_one_arithmetic_and_one_start_per_seed_by_hand():
         0: "its pieces trained in learner bf16 (scalinginter, a.json)",
         1: "its pieces started from another model (scalinginter, c.json)"}  # seed 2's start unknown: not blocked
     assert blocked_seeds(pieces, fp, None) == {0: "its pieces trained in learner bf16 (scalinginter, a.json)"}
+
+
+def test_piece_progress_by_hand():
+    from core.study import piece_progress
+
+    phases = [{"turn_limit": 3, "steps": 2}, {"turn_limit": 6, "steps": 1}, {"turn_limit": 10, "steps": 1}]
+    assert piece_progress([], phases) == {"done": 0, "total": 4, "spent_s": 0.0, "left_s": None}
+    recs = [{"global_step": 1, "turn_limit": 3, "step_time_s": 40.0},
+            {"global_step": 2, "turn_limit": 3, "step_time_s": 70.0},  # killed after this record: logged again
+            {"global_step": 2, "turn_limit": 3, "step_time_s": 50.0},
+            {"global_step": 3, "turn_limit": 6, "step_time_s": 90.0}]
+    # 180 s over turn limits 3 + 3 + 6 = 12: 15 s a unit; the step left is at 10 turns: 150 s
+    assert piece_progress(recs, phases) == {"done": 3, "total": 4, "spent_s": 180.0, "left_s": 150.0}
+    assert piece_progress(recs + [{"global_step": 4, "turn_limit": 10, "step_time_s": 160.0}], phases)["left_s"] == 0
