@@ -691,9 +691,10 @@ class RunConfig(_Strict):
                 raise ValueError("model.lora settings are given but model.lora.rank is 0 (LoRA off): set "
                                  "model.lora.rank (e.g. 16) or drop them")
             return self
-        if self.learner.engine != "torch":
-            raise ValueError("model.lora trains adapters with the torch learner (the DeepSpeed learner shards full "
-                             "weights): set learner.engine=torch, or model.lora.rank=0")
+        if self.learner.engine == "deepspeed" and self.learner.zero_stage == 3:
+            raise ValueError("model.lora with the DeepSpeed learner runs on ZeRO 0-2 (the frozen base whole on each "
+                             "rank, the adapters and their optimizer state data-parallel): set learner.zero_stage=2, "
+                             "or learner.engine=torch")
         if lo.engine != "auto" and self.rollout.backend != "vllm":
             raise ValueError(f"model.lora.engine={lo.engine} says how a vLLM engine serves the adapter: set "
                              "rollout.backend=vllm or leave model.lora.engine at auto")

@@ -108,14 +108,16 @@ def _lora_plan(plan: Plan, cfg: RunConfig, c: dict, m: ModelShape, r: RunShape, 
     engine = (r.engine_bytes_per_elem * m.params + kv + lm.engine_adapter) if r.vllm else 0
     tokens = r.micro_batch_tokens or r.micro_batch_size * r.token_budget
     acts = tokens * (m.layers * m.hidden * ACT_BYTES_PER_HIDDEN_LAYER + m.vocab * ACT_BYTES_PER_VOCAB)
-    total = lm.base + lm.adapters + lm.critic + engine + acts + RUNTIME_BYTES
+    n = max(1, r.ranks)  # DeepSpeed ranks on this machine: each holds the base, the adapters, a critic, activations
+    total = n * (lm.base + lm.adapters + lm.critic + acts) + engine + RUNTIME_BYTES
     plan.memory_bytes = total
-    parts = [f"frozen base {lm.base / GiB:.1f}",
-             f"adapters {lm.adapters / GiB:.2f} ({lo.rank}-rank, {lm.adapter_params / 1e6:.1f} M parameters with "
-             "gradients and optimizer state; no reference copy)",
-             f"activations {acts / GiB:.1f} ({tokens} tokens per micro-batch)"]
+    learner = [f"frozen base {lm.base / GiB:.1f}",
+               f"adapters {lm.adapters / GiB:.2f} ({lo.rank}-rank, {lm.adapter_params / 1e6:.1f} M parameters with "
+               "gradients and optimizer state; no reference copy)",
+               f"activations {acts / GiB:.1f} ({tokens} tokens per micro-batch)"]
     if lm.critic:
-        parts.append(f"critic {lm.critic / GiB:.1f} (frozen backbone copy and its adapters)")
+        learner.append(f"critic {lm.critic / GiB:.1f} (frozen backbone copy and its adapters)")
+    parts = [f"each of {n} DeepSpeed ranks: " + "; ".join(learner)] if n > 1 else learner
     if engine:
         parts.append(f"engine {engine / GiB:.1f}")
     parts.append(f"runtime {RUNTIME_BYTES / GiB:.1f}")

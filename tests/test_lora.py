@@ -280,8 +280,12 @@ def test_config_names_and_refusals():
     # several engines take a LoRA policy merged into their weights (auto or merged)
     two = build_config("babyai", "smoke", ["model.lora.rank=8", "rollout.backend=vllm", "rollout.engines=2"])
     assert (two.rollout.engines, two.model.lora.engine) == (2, "auto")
+    ds = build_config("babyai", "tiny", ["model.lora.rank=8", "learner.engine=deepspeed", "learner.ranks=2",
+                                         "rollout.backend=vllm"])  # DeepSpeed ranks train the adapters (ZeRO-2)
+    assert (ds.learner.engine, ds.learner.zero_stage, ds.model.lora.rank) == ("deepspeed", 2, 8)
     for sets, says in ((["model.lora.alpha=8"], "rank is 0"),
-                       (["model.lora.rank=8", "learner.engine=deepspeed"], "torch learner"),
+                       (["model.lora.rank=8", "learner.engine=deepspeed", "learner.zero_stage=3",
+                         "algo.optimizer=adamw", "algo.grad_dtype=fp32"], "ZeRO 0-2"),
                        (["model.lora.rank=8", "rollout.backend=transformers", "model.lora.engine=merged"],
                         "rollout.backend=vllm"),
                        (["model.lora.rank=8", "model.lora.target_modules=[]"], "empty"),
@@ -309,6 +313,17 @@ def test_dry_run_counts_adapters_not_full_optimizer_state(tmp_path):
     assert lora.memory_bytes < full.memory_bytes / 3
     ppo = dry_run(build_config("babyai", "paper", [f"model.path={d}", "model.lora.rank=16", "algo.estimator=ppo"]))
     assert "critic" in next(x for x in ppo.lines if x.startswith("memory:"))
+    # DeepSpeed ranks: each holds the base, the adapters and its activations; the engine and runtime once
+    def ds(n):
+        return dry_run(build_config("babyai", "paper", [f"model.path={d}", "model.lora.rank=16", bf16,
+                                                        f"learner.ranks={n}", "learner.engine=deepspeed",
+                                                        "rollout.backend=vllm"]))
+
+    one, two, three = ds(1), ds(2), ds(3)
+    assert "each of 2 DeepSpeed ranks: frozen base" in next(x for x in two.lines if x.startswith("memory:"))
+    per_rank = two.memory_bytes - one.memory_bytes  # a rank's learner; the engine and runtime counted once
+    assert three.memory_bytes - two.memory_bytes == per_rank > 2 * 7.0e9  # the base in bf16 alone is 15 GB
+    assert one.memory_bytes - per_rank > 2 * 7.0e9  # the engine's copy of the weights
 
 
 def test_several_engines_serve_lora_merged_even_where_adapters_are_served(monkeypatch):
@@ -322,3 +337,7 @@ def test_several_engines_serve_lora_merged_even_where_adapters_are_served(monkey
     two = build_config("babyai", "smoke", ["model.lora.rank=8", "rollout.backend=vllm", "rollout.engines=2"])
     s = vb.lora_serving(two, "/models/base")
     assert (s.mode, s.rank, s.base_dir) == ("merged", 0, "/models/base") and "rollout.engines > 1" in s.why
+    # a learner in other processes (DeepSpeed ranks) has no live adapter here: merged, through the folder it writes
+    remote = object()
+    s = vb.lora_serving(one, "/models/base", remote)
+    assert (s.mode, s.source, s.base_dir) == ("merged", None, "/models/base") and "other processes" in s.why

@@ -6,7 +6,8 @@ two shards have very different policy-token counts (rank 0: 17, rank 1: 37 plus 
 The optimizer is plain SGD (a DeepSpeed config naming ``torch.optim.SGD``): its step is linear in the gradient,
 so the weights show a wrong normalisation (Adam's first step, ~lr * sign(grad), would hide a scale error). PPO's
 case trains a critic too (SGD as well): each rank's whole critic, its gradients averaged over the ranks, must end
-where the one-rank critic does.
+where the one-rank critic does. LoRA's case trains rank-4 adapters on a frozen base: the adapters must end where one
+rank's do, and the base must not move.
 
 Reference: ``TorchLearner`` (one process, the whole batch, SGD). Tolerance: weights within 1e-6 (fp32, no
 autocast); the weights move by ~1e-1, and the old per-rank normalisation lands > 1e-3 away (computed here).
@@ -59,7 +60,11 @@ CASES = {  # name: (LearnerConfig kwargs, prepare's old_for_reward)
     "seq_mean_two_epochs": (dict(loss_agg="seq-mean", kl_coef=0.05, ppo_epochs=2), True),  # old log-probs prepared
     # PPO: a critic on every rank, its gradients averaged over the ranks (SGD for it too, as for the policy)
     "ppo_critic": (dict(loss_agg="token-mean", kl_coef=0.05, critic=True, critic_lr=0.5, value_clip=10.0), False),
+    # LoRA: the frozen base whole on each rank, the adapters' gradients averaged (the KL reference: the base with the
+    # adapters off); the learners seed their adapters' init alike (ADAPTER_SEED)
+    "lora": (dict(loss_agg="token-mean", kl_coef=0.05, lora="q_proj,v_proj"), False),
 }
+ADAPTER_SEED = 7
 
 
 def _returns(trajs):
@@ -76,7 +81,11 @@ def _sgd_critic(learner):
 
 def _cfg(kw):
     from runtime.backends.learner import LearnerConfig
+    from runtime.backends.lora import LoraSpec
 
+    kw = dict(kw)
+    if "lora" in kw:  # rank-4 adapters on the given modules (alpha 8: scale 2)
+        kw["lora"] = LoraSpec(4, 8.0, 0.0, tuple(kw["lora"].split(",")))
     return LearnerConfig(lr=0.5, grad_clip=1e9, micro_batch_size=2, bf16_autocast=False, **kw)
 
 
@@ -91,6 +100,7 @@ def _rank(rank: int, port: int, model_dir: str, ds_config: str, out: str) -> Non
 
     results = {}
     for name, (kw, old_for_reward) in CASES.items():
+        torch.manual_seed(ADAPTER_SEED)
         learner = DeepSpeedLearner(model_dir, _cfg(kw), zero_stage=2, config_path=ds_config)
         _sgd_critic(learner)
         trajs, advs = _batch()
@@ -141,8 +151,9 @@ def _one_rank(model_dir, kw, trajs, advs, old_for_reward):
 
     from runtime.backends.learner import TorchLearner
 
+    torch.manual_seed(ADAPTER_SEED)
     learner = TorchLearner(model_dir, _cfg(kw))
-    learner.opt = torch.optim.SGD(learner.model.parameters(), lr=learner.cfg.lr)
+    learner.opt = torch.optim.SGD([q for q in learner.model.parameters() if q.requires_grad], lr=learner.cfg.lr)
     _sgd_critic(learner)
     prep = learner.prepare(trajs, old_for_reward=old_for_reward)
     stats = learner.update(trajs, advs, prepared=prep,
@@ -166,8 +177,15 @@ def test_two_rank_update_equals_one_rank_update(two_ranks, tiny_model, case):
     prep, stats, weights = _one_rank(tiny_model, kw, trajs, advs, old_for_reward)
     r0, r1 = two_ranks[0][case], two_ranks[1][case]
     assert _max_diff(r0["weights"], r1["weights"]) == 0.0  # the ranks agree
-    init = load_causal_lm(tiny_model).state_dict()
-    assert _max_diff(weights, init) > 1e-2  # the update did move the weights
+    if kw.get("lora"):  # the adapters moved from B = 0; the base stayed
+        lora_b = {k: v for k, v in weights.items() if "lora_B" in k}
+        assert len(lora_b) == 4 and _max_diff(lora_b, {k: 0 * v for k, v in lora_b.items()}) > 1e-2
+        init = {k.replace(".base_layer", ""): v for k, v in load_causal_lm(tiny_model).state_dict().items()}
+        base = {k.replace(".base_layer", ""): v for k, v in r0["weights"].items() if "lora_" not in k}
+        assert base.keys() == init.keys() and _max_diff(base, init) == 0.0
+    else:
+        init = load_causal_lm(tiny_model).state_dict()
+        assert _max_diff(weights, init) > 1e-2  # the update did move the weights
     assert _max_diff(r0["weights"], weights) < TOL
     for k in ("loss", "pg_loss", "kl", "entropy", "clip_frac", "grad_norm"):  # stats are the whole batch's too
         assert r0["stats"][k] == pytest.approx(stats[k], rel=1e-5, abs=1e-7), k
@@ -249,3 +267,76 @@ def test_ppo_config_on_several_ranks_and_nodes():
     assert build_config("babyai", "tiny", base + ["learner.ranks=2"]).learner.ranks == 2
     cfg = build_config("babyai", "tiny", base + ["learner.nodes=2", "learner.master_addr=10.0.0.5"])
     assert (cfg.learner.nodes, cfg.algo.estimator) == (2, "ppo")
+
+
+@pytest.mark.slow  # one in-process DeepSpeed rank, three learners on the tiny model: ~1 min on a busy 2-core machine
+def test_lora_on_deepspeed_checkpoint_resumes_exactly(tiny_model, tmp_path):
+    """One DeepSpeed rank (ZeRO-2, the stock config's client AdamW) with LoRA: its checkpoint is an adapter folder
+    (PEFT's files and the base record, no full weights) with DeepSpeed's state of the adapters alone (the frozen base
+    left out), a learner resumed from it takes the next step as the uninterrupted one does (AdamW's moments
+    restored), and ``save_weights`` writes the policy with the adapters merged."""
+    import torch
+
+    from runtime.backends.deepspeed_learner import DeepSpeedLearner
+    from runtime.backends.learner import load_causal_lm
+    from runtime.backends.lora import is_adapter_dir, merged_entries
+
+    kw, _ = CASES["lora"]
+    cfg = _cfg(kw)
+    import dataclasses
+
+    cfg = dataclasses.replace(cfg, lr=1e-2)
+    trajs, advs = _batch()
+    advs2 = [[-a for a in row] for row in advs]  # the second step: another batch's advantages
+    torch.manual_seed(ADAPTER_SEED)
+    a = DeepSpeedLearner(tiny_model, cfg, zero_stage=2)
+    a.update(trajs, advs)
+    ck = tmp_path / "ck"
+    a.save(ck, {"phase_step": 1})
+    a.update(trajs, advs2)
+    want = {k: v.detach().clone() for k, v in a.model.state_dict().items() if "lora_" in k}
+    a.close()
+    assert is_adapter_dir(ck) and not (ck / "model.safetensors").exists()
+    (states,) = (ck / "deepspeed" / "state").glob("*model_states.pt")
+    module = torch.load(states, weights_only=False, map_location="cpu")["module"]
+    assert module and all("lora_" in k for k in module)  # the base is not in DeepSpeed's checkpoint
+    assert json.loads((ck / "deepspeed" / "layout.json").read_text()) == {"world_size": 1, "zero_stage": 2,
+                                                                          "lora": True}
+    b = DeepSpeedLearner(str(ck), cfg, reference_path=tiny_model, zero_stage=2)
+    assert b.load_training_state(ck)["phase_step"] == 1
+    b.update(trajs, advs2)
+    got = {k: v for k, v in b.model.state_dict().items() if "lora_" in k}
+    assert got.keys() == want.keys() and _max_diff(got, want) < TOL
+    moved = {k: v for k, v in got.items() if "lora_B" in k}
+    assert _max_diff(moved, {k: 0 * v for k, v in moved.items()}) > 1e-3
+    b.save_weights(tmp_path / "merged")
+    saved = load_causal_lm(str(tmp_path / "merged")).state_dict()
+    merged = {n: fetch() for n, _, fetch in merged_entries(b.model)}
+    assert _max_diff(merged, saved) < TOL and _max_diff(merged, load_causal_lm(tiny_model).state_dict()) > 1e-4
+    b.close()
+
+
+@pytest.mark.slow  # torchrun with 2 ranks importing DeepSpeed: ~1 min on a busy 2-core machine
+def test_lora_under_torchrun_writes_the_adapter_and_the_merged_policy(tiny_model, tmp_path):
+    """The run's path for LoRA on several ranks: ``DeepSpeedRemoteLearner`` sends the learner's config (its LoRA
+    spec included) to 2 torchrun ranks, which train the adapters; its checkpoint is the adapter folder and
+    ``save_weights`` (how a vLLM engine gets the policy from ranks in other processes) the base with the adapters
+    merged, which moved away from the base."""
+    from runtime.backends.deepspeed_learner import DeepSpeedRemoteLearner
+    from runtime.backends.learner import load_causal_lm
+    from runtime.backends.lora import is_adapter_dir, load_merged_causal_lm
+
+    kw, _ = CASES["lora"]
+    learner = DeepSpeedRemoteLearner(tiny_model, _cfg(kw), ranks=2, zero_stage=2, log_path=str(tmp_path / "r.log"))
+    try:
+        trajs, advs = _batch()
+        st = learner.update(trajs, advs, prepared=learner.prepare(trajs))
+        assert st["optimizer_steps"] == 1.0 and st["grad_norm"] > 0
+        learner.save(tmp_path / "ck", {"phase_step": 1})
+        learner.save_weights(tmp_path / "merged")
+    finally:
+        learner.close()
+    assert is_adapter_dir(tmp_path / "ck") and not (tmp_path / "ck" / "model.safetensors").exists()
+    merged = load_causal_lm(str(tmp_path / "merged")).state_dict()
+    assert _max_diff(merged, load_merged_causal_lm(str(tmp_path / "ck")).state_dict()) < TOL
+    assert _max_diff(merged, load_causal_lm(tiny_model).state_dict()) > 1e-3

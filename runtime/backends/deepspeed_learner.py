@@ -38,7 +38,6 @@ import subprocess
 import sys
 import time
 import warnings
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -235,13 +234,17 @@ class DeepSpeedLearner(TorchLearner):
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         if zero_stage == 3 and cfg.logprob_chunk:  # ZeRO-3 gathers the output weight only inside the module's call
             cfg = dataclasses.replace(cfg, logprob_chunk=0)
+        if zero_stage == 3 and cfg.lora is not None:
+            raise ValueError("LoRA with the DeepSpeed learner runs on ZeRO 0-2 (the frozen base whole on each rank, "
+                             "the adapters' gradients averaged over the ranks): set learner.zero_stage to 2 or lower")
         super().__init__(model_path, cfg, reference_path)  # tokenizer, fp32 policy, frozen reference, AdamW
         self.zero_stage = zero_stage
         self.ds_conf = ds_config(zero_stage, cfg, offload_optimizer=offload_optimizer, bf16_weights=bf16_weights,
                                  path=config_path)
         client_opt = None if "optimizer" in self.ds_conf else self.opt
+        trained = [q for q in self.model.parameters() if q.requires_grad]  # LoRA: the adapters only
         self.engine, self.opt, _, _ = deepspeed.initialize(model=self.model, optimizer=client_opt,
-                                                           model_parameters=self.model.parameters() if client_opt is None else None,
+                                                           model_parameters=trained if client_opt is None else None,
                                                            config=self.ds_conf)
         self.model = self.engine.module
         if self.engine.device.type != self.device.type:
@@ -354,13 +357,22 @@ class DeepSpeedLearner(TorchLearner):
         return self.model.state_dict() if self.rank == 0 else None
 
     def in_memory_weights(self):
-        """One rank: the whole model's weights here (ZeRO-3 gathers them); several ranks: None (sync by folder)."""
+        """One rank: the whole model's weights here (ZeRO-3 gathers them; LoRA: the adapters merged in, as the torch
+        learner gives them); several ranks: None (sync by folder)."""
         if self.world_size != 1:
             return None
+        if self.peft is not None:
+            return super().in_memory_weights()
         return lambda: self._full_state_dict().items()
 
     def save_weights(self, directory: Path) -> None:
-        """HF folder with the model weights only (for the generation engine to reload). Collective."""
+        """HF folder with the model weights only (for the generation engine to reload; LoRA: the adapters merged
+        into the base, written by rank 0, whose module holds the whole model at ZeRO 0-2). Collective."""
+        if self.peft is not None:
+            if self.rank == 0:
+                super().save_weights(directory)
+            self._barrier()
+            return
         sd = self._full_state_dict()
         if self.rank == 0:
             directory = Path(directory)
@@ -371,16 +383,23 @@ class DeepSpeedLearner(TorchLearner):
         self._barrier()
 
     def save(self, directory: Path, trainer_state: dict[str, Any]) -> None:
+        """The HF folder (LoRA: the adapter's files and its base record, as the torch learner's checkpoint), the
+        tokenizer, RNG and trainer state from rank 0; DeepSpeed's own checkpoint of the trained weights and their
+        optimizer state from every rank (LoRA: the frozen base left out). Collective."""
         directory = Path(directory)
-        self.save_weights(directory)
+        if self.peft is None:
+            self.save_weights(directory)
+        elif self.rank == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+            self._save_adapter(directory)
         if self.rank == 0:
             self.tokenizer.save_pretrained(directory)
             torch.save(rng_state(self.device), directory / "rng.pt")
             (directory / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
-        self.engine.save_checkpoint(str(directory / "deepspeed"), tag="state", save_latest=False)
+        self.engine.save_checkpoint(str(directory / "deepspeed"), tag="state", save_latest=False,
+                                    exclude_frozen_parameters=self.peft is not None)
         if self.rank == 0:
-            (directory / "deepspeed" / "layout.json").write_text(json.dumps(
-                {"world_size": self.world_size, "zero_stage": self.zero_stage}))
+            (directory / "deepspeed" / "layout.json").write_text(json.dumps(self._layout()))
             if self.critic is not None:  # PPO: the value model and its optimizer (every rank holds the same), as the
                 self.critic.save(directory)  # torch learner's
         self._barrier()
@@ -390,9 +409,15 @@ class DeepSpeedLearner(TorchLearner):
         ds_dir = directory / "deepspeed"
         layout_file = ds_dir / "layout.json"
         layout = json.loads(layout_file.read_text()) if layout_file.exists() else None
-        if layout == {"world_size": self.world_size, "zero_stage": self.zero_stage}:
+        if self.peft is not None and weights:  # the adapter's files, refused on another base (the torch learner's)
+            from runtime.backends.lora import check_base, load_adapter_weights
+
+            check_base(directory, self.base_dir)
+            load_adapter_weights(self.peft, directory)
+        if layout == self._layout():
             self.engine.load_checkpoint(str(ds_dir), tag="state", load_optimizer_states=True,
-                                        load_lr_scheduler_states=False, load_module_only=False)
+                                        load_lr_scheduler_states=False, load_module_only=False,
+                                        load_module_strict=self.peft is None)  # LoRA: the base was left out
         else:
             if weights:
                 self._load_hf_weights(directory)
@@ -408,8 +433,19 @@ class DeepSpeedLearner(TorchLearner):
         state_file = directory / "trainer_state.json"
         return json.loads(state_file.read_text()) if state_file.exists() else {}
 
+    def _layout(self) -> dict[str, Any]:
+        """What a DeepSpeed checkpoint's optimizer state fits: the ranks, the ZeRO stage, and LoRA (adapters only)."""
+        return {"world_size": self.world_size, "zero_stage": self.zero_stage,
+                **({"lora": True} if self.peft is not None else {})}
+
     def _load_hf_weights(self, directory: Path) -> None:
         from runtime.backends.learner import load_causal_lm
+
+        if self.peft is not None:  # the adapter was loaded from the folder (load_training_state): ZeRO's copies
+            restore = getattr(self.engine.optimizer, "_restore_from_bit16_weights", None)
+            if restore is not None:
+                restore()
+            return
 
         fresh = load_causal_lm(str(directory)).state_dict()
         if self.zero_stage == 3:
@@ -465,7 +501,7 @@ class DeepSpeedRemoteLearner:
         # one node: the ranks connect over loopback; several: at master_addr:master_port + 1, from the other nodes
         self._listener = (Listener((master_addr, master_port + 1), authkey=authkey) if nodes > 1
                           else Listener(("127.0.0.1", 0), authkey=authkey))
-        self._spec = {"model_path": model_path, "reference_path": reference_path, "cfg": asdict(cfg),
+        self._spec = {"model_path": model_path, "reference_path": reference_path, "cfg": cfg,  # pickled whole
                       "zero_stage": zero_stage, "offload_optimizer": offload_optimizer, "bf16_weights": bf16_weights,
                       "config_path": config_path}
         threads = threads_per_rank or max(1, (os.cpu_count() or 1) // ranks)
@@ -648,7 +684,7 @@ def _worker() -> None:
     conn.send(int(os.environ["RANK"]))
     spec = conn.recv()
     try:
-        learner = DeepSpeedLearner(spec["model_path"], LearnerConfig(**spec["cfg"]), spec["reference_path"],
+        learner = DeepSpeedLearner(spec["model_path"], spec["cfg"], spec["reference_path"],
                                    zero_stage=spec["zero_stage"], offload_optimizer=spec["offload_optimizer"],
                                    bf16_weights=spec["bf16_weights"], config_path=spec["config_path"])
         conn.send((True, None))

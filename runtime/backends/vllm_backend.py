@@ -1101,6 +1101,12 @@ def lora_serving(cfg, model_dir: str, learner=None) -> "LoraServing | None":
     from runtime.backends.lora import FolderAdapter, base_of, is_adapter_dir
 
     lo = cfg.model.lora
+    if learner is not None and lo.enabled and not hasattr(learner, "lora_source"):
+        # a learner whose ranks are other processes (DeepSpeed over several ranks): no live adapter here; the
+        # engine starts on the base and each sync loads the folder the ranks write, the adapter merged in
+        base = base_of(model_dir) if is_adapter_dir(model_dir) else model_dir
+        return LoraServing("merged", str(base), None, 0, "the learner's ranks run in other processes: the engine "
+                           "takes its weights from the folder they write, the adapter merged in")
     source = learner.lora_source() if learner is not None and hasattr(learner, "lora_source") else None
     if source is not None:
         base = learner.base_dir
@@ -1210,8 +1216,11 @@ class EnginePool:
         lora = lora_serving(cfg, model_dir, learner)
         if lora is not None:  # the engine loads the base; the adapter comes as a LoRA request or merged in
             model_dir = lora.base_dir
-        full_from_adapter = lora is None and _is_adapter_dir(model_dir)
-        if full_from_adapter:  # a full learner started from an adapter folder: the engine starts on its base
+        # a full learner started from an adapter folder, or a LoRA learner in other processes: the engine starts
+        # on the base and then takes the learner's weights (its first sync)
+        full_from_adapter = (lora is None and _is_adapter_dir(model_dir)) or (
+            lora is not None and lora.source is None and learner is not None)
+        if full_from_adapter and lora is None:  # a full learner started from an adapter folder: on its base
             from runtime.backends.lora import base_of
 
             model_dir = base_of(model_dir)
@@ -1225,10 +1234,20 @@ class EnginePool:
             if held is not None and self.busy:
                 print("warning: the run's vLLM engine is in use by another session: starting a second engine "
                       "(shut down when its session ends)", flush=True)
-                return self._start(cfg, model_dir, tokenizer, learner, dtype, plan, lora)
+                second = self._start(cfg, model_dir, tokenizer, learner, dtype, plan, lora)
+                if full_from_adapter and learner is not None:
+                    second.sync_weights()
+                return second
             if held is not None and self.settings == settings:
+                remote_lora = full_from_adapter and learner is not None and lora is not None
                 try:
-                    secs, source = _load_session_weights(held, model_dir, learner, lora)
+                    if remote_lora:  # the learner's ranks write the policy merged; the engine loads that folder
+                        _hook_session(held, learner, lora)
+                        t0 = time.time()
+                        held.sync_weights()
+                        secs, source = time.time() - t0, "the learner's ranks (the adapter merged in)"
+                    else:
+                        secs, source = _load_session_weights(held, model_dir, learner, lora)
                 except BaseException:
                     self.shutdown()  # its weights are half loaded: never hand it out again
                     raise
