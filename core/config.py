@@ -249,11 +249,14 @@ class RolloutConfig(_Strict):
                             "engine worker, the learner broadcasts each tensor: vLLM's RLHF weight-update route). "
                             "auto: memory.")
     engine_restarts: int = Field(
-        2, ge=0, description="Times each rollout engine the run started (rollout.engines > 1) is replaced when it "
-                             "dies: before the next weight sync or rollout round a new engine starts in its place (the "
-                             "same cores or GPUs and settings) and gets the run's current weights; meanwhile the "
-                             "engines left carry its turns. 0: a dead engine stays dead. Engines on other hosts "
-                             "(engine_urls) and engines in an NCCL broadcast group are not replaced.")
+        2, ge=0, description="Times each rollout engine the run started is replaced when it dies. Several engines "
+                             "(rollout.engines > 1): before the next weight sync or rollout round a new engine starts "
+                             "in its place (the same cores or GPUs and settings) and gets the run's current weights; "
+                             "meanwhile the engines left carry its turns. One engine in its own processes: a new one "
+                             "starts at once, gets the learner's weights, and the rollout it broke runs again (a "
+                             "training session's engine; an evaluation's fails the run as before). 0: a dead engine "
+                             "stays dead. Engines on other hosts (engine_urls), in an NCCL broadcast group, or in the "
+                             "trainer's own process (rollout.vllm_in_process) are not replaced.")
     vllm_sleep: bool | None = Field(
         None, description="vLLM sleep mode: the engine offloads its weights and drops its KV cache while the "
                           "learner updates (sleep level 1) and wakes before the weight sync and the next rollout, so "

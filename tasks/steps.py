@@ -320,9 +320,29 @@ def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, tur
             return await rollout(req, RolloutRuntime(s.backend, s.chat, make, cap, s.cfg.rollout.env_retries, heal,
                                                      on_round, s.cfg.rollout.async_episodes, expert))
 
-    trajs, stats = asyncio.run(go())
+    trajs, stats = _run_rollout(s, go, label)
     metrics = {**episode_metrics(trajs), **stats.as_metrics()}
     return trajs, metrics
+
+
+def _run_rollout(s: Session, go: Callable[[], Any], label: str):
+    """``asyncio.run(go())``, with a single vLLM engine that died replaced (``VLLMBackend.restart``, at most
+    ``rollout.engine_restarts`` times): before the rollout when it died since its last use, and during it, where
+    the whole rollout runs again on the new engine with the learner's weights (its episodes' envs are closed with the
+    failed attempt; each episode's sampling seed is its own, so the rerun draws what it would have drawn)."""
+    backend = s.backend
+    restartable = hasattr(backend, "replace_if_dead") and getattr(backend, "restart_limit", 0)
+    if restartable:
+        backend.replace_if_dead()
+    while True:
+        try:
+            return asyncio.run(go())
+        except Exception as e:  # noqa: BLE001 - re-raised unless the engine died and may be replaced
+            if not restartable or not backend.dead() or backend.why_not_restarted() is not None:
+                raise
+            print(f"  [{label}] the vLLM engine died during the rollout ({type(e).__name__}): replacing it and "
+                  "running the rollout again", flush=True)
+            backend.restart()
 
 
 @task(name="rollout-batch", **TASK_OPTS)
@@ -622,7 +642,7 @@ def policy_update(key: str, batch: Batch, adv: Advantages, global_step: int | No
         s.backend.sync_weights()  # a separate generation engine (vLLM) reloads the new weights; no-op otherwise
     if hasattr(s.backend, "sync_time_s"):
         out["weight_sync_s"] = s.backend.sync_time_s
-    if hasattr(s.backend, "restarts"):  # several engines: how often dead ones were replaced so far
+    if hasattr(s.backend, "restarts"):  # vLLM: how often dead engines were replaced so far
         out["engine_restarts"] = float(sum(s.backend.restarts))
     trim_heap()  # and what the sync freed (runtime.memory)
     return out

@@ -327,3 +327,49 @@ def test_cuda_engines_get_the_learners_weights_by_nccl_broadcast(toy_policy):
     finally:
         for e in engines:
             e.close()
+
+
+@pytest.mark.slow
+def test_toy_run_with_one_engine_killed(tmp_path, toy_policy):
+    """``scalinginter run toy`` on one vLLM engine in its own processes (``rollout.vllm_in_process=false``, as on a
+    GPU), its engine-core process SIGKILLed twice: once step 1 is logged (the end of phase 1: the next session finds
+    the kept engine dead and starts a new one), and once step 2 is logged (within phase 2: the engine is replaced
+    before step 3's rollout and gets the learner's weights). The run ends its three steps with every episode and
+    ``train/engine_restarts`` 2. Left out of CI's slow tier (it starts three engines and a learner: minutes on the
+    2-core machine); the stand-in test in tests/test_engines_plan.py (default suite) covers a death mid-rollout."""
+    import psutil
+
+    from tests.toypolicy import toy_run_cmd
+
+    cmd = toy_run_cmd(tmp_path, toy_policy, "one", ["rollout.backend=vllm", "rollout.vllm_in_process=false",
+                                                     "rollout.samples_per_task=4"])
+    t0 = time.time()
+    env = {**LONG_WAITS, **os.environ, "PYTHONPATH": str(ROOT)}
+    log = tmp_path / "run.log"
+    metrics = tmp_path / "one" / "metrics.jsonl"
+    with open(log, "w") as out:
+        p = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+    killed: list[int] = []
+    try:
+        while p.poll() is None and time.time() - t0 < 1800:
+            steps = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+            if len(killed) < min(steps, 2):  # after step 1, then after step 2: each time the engine-core process
+                cores = [q.pid for q in psutil.Process(p.pid).children(recursive=True)
+                         if "EngineCore" in " ".join([q.name()] + (q.cmdline() or [])) and q.pid not in killed]
+                if cores:
+                    killed.append(cores[0])
+                    os.kill(cores[0], signal.SIGKILL)
+            time.sleep(0.2)
+        p.wait(timeout=max(1.0, 1800 - (time.time() - t0)))
+    finally:
+        if p.poll() is None:
+            p.kill()
+    text = log.read_text()
+    print(f"\ntoy run on one engine, killed after steps 1 and 2 (pids {killed}): {time.time() - t0:.0f} s")
+    print("\n".join(x for x in text.splitlines() if "vLLM engine" in x and ("died" in x or "replaced" in x)))
+    assert p.returncode == 0, text[-5000:]
+    assert len(killed) == 2, f"the test killed {len(killed)} engine-core processes, not 2"
+    assert text.count("vLLM engine died: starting a new one") == 2
+    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    assert len(rows) == 3 and rows[-1]["train/engine_restarts"] == 2.0
+    assert all(r["masked_episodes"] == 0 for r in rows), [r["masked_episodes"] for r in rows]

@@ -397,3 +397,71 @@ def test_dry_run_plans_a_multi_host_layout_and_refuses_an_impossible_one():
                           "rollout.engine_hosts (HOST:GPUS)"]
     cpu = dry_run(build_config("babyai", "smoke", ["rollout.engines=3"]), local_host=EngineHost(LOCAL, 0, 2))
     assert len(cpu.errors) == 1 and cpu.errors[0].startswith("rollout.engines=3: 3 CPU engines do not fit the hosts")
+
+
+def test_one_dead_engine_is_replaced_and_its_rollout_runs_again():
+    """``tasks.steps._run_rollout`` with a stand-in single engine: a dead one is replaced before the rollout; one
+    that dies during it is replaced and the rollout runs again (the learner's weights synced to the new one);
+    past ``rollout.engine_restarts``, or with an engine that is alive (another error), the error goes up."""
+    from types import SimpleNamespace
+
+    from tasks.steps import _run_rollout
+
+    class Engine:
+        def __init__(self, limit, dead=False):
+            self.restart_limit, self.is_dead, self.restarts, self.synced = limit, dead, [0], 0
+
+        def dead(self):
+            return self.is_dead
+
+        def why_not_restarted(self):
+            return None if self.restarts[0] < self.restart_limit else "limit"
+
+        def restart(self, sync=True):
+            if self.why_not_restarted():
+                raise RuntimeError("not replaced")
+            self.is_dead, self.restarts = False, [self.restarts[0] + 1]
+            self.synced += sync
+
+        def replace_if_dead(self, sync=True):
+            if self.is_dead:
+                self.restart(sync)
+                return True
+            return False
+
+    def rollout_killing(engine, kills):
+        calls = []
+
+        async def go():
+            calls.append(1)
+            if len(calls) <= kills:
+                engine.is_dead = True
+                raise RuntimeError("EngineDeadError")
+            return ["trajs"], "stats"
+        return go, calls
+
+    e = Engine(2, dead=True)  # died since its last use: replaced first
+    go, calls = rollout_killing(e, 0)
+    assert _run_rollout(SimpleNamespace(backend=e), go, "t") == (["trajs"], "stats")
+    assert (e.restarts, e.synced, len(calls)) == ([1], 1, 1)
+    e = Engine(2)  # dies during the rollout, twice: replaced each time, the rollout run three times
+    go, calls = rollout_killing(e, 2)
+    assert _run_rollout(SimpleNamespace(backend=e), go, "t") == (["trajs"], "stats")
+    assert (e.restarts, e.synced, len(calls)) == ([2], 2, 3)
+    e = Engine(2)  # a third death: past the limit, the engine's error goes up
+    go, calls = rollout_killing(e, 3)
+    with pytest.raises(RuntimeError, match="EngineDeadError"):
+        _run_rollout(SimpleNamespace(backend=e), go, "t")
+    assert e.restarts == [2]
+    e = Engine(0)  # rollout.engine_restarts=0: never replaced
+    go, calls = rollout_killing(e, 1)
+    with pytest.raises(RuntimeError, match="EngineDeadError"):
+        _run_rollout(SimpleNamespace(backend=e), go, "t")
+
+    async def other_error():
+        raise ValueError("a bad prompt")
+    e = Engine(2)
+    with pytest.raises(ValueError):  # the engine is alive: not its death
+        _run_rollout(SimpleNamespace(backend=e), other_error, "t")
+    assert e.restarts == [0]
+

@@ -436,6 +436,9 @@ class VLLMBackend:
         lora_rank: int = 0,
         cpu_cores: str | None = None,
     ):
+        self._init = {k: v for k, v in locals().items() if k not in ("self", "__class__")}  # restart() starts it again
+        self.restart_limit = 0  # rollout.engine_restarts, set by the run: how often a dead engine is replaced
+        self.restarts = [0]  # times this engine was replaced (an engine set keeps one count per slot)
         self.model_path = str(model_path)
         self.eos_token_id = int(eos_token_id)
         self.export_weights = export_weights
@@ -532,6 +535,61 @@ class VLLMBackend:
         self.max_model_len = max_model_len
         self.dtype = str(self._llm.llm_engine.model_config.dtype).removeprefix("torch.")
 
+    # -- a dead engine replaced (rollout.engines=1; an engine set replaces its own: engine_set.restart_dead) -----
+    def dead(self) -> bool:
+        """Whether this engine's engine-core process is gone (an in-process engine dies with this process)."""
+        if self.in_process:
+            return False
+        from runtime.backends.engine_set import engine_dead
+
+        return engine_dead(self)
+
+    def why_not_restarted(self) -> str | None:
+        """None when a dead engine may be replaced now, else why not: an in-process engine, the limit
+        (``rollout.engine_restarts``) reached, or no learner hooked to give a new engine the session's weights (an
+        evaluation session's engine, whose weights came from a folder or an adapter, fails as before)."""
+        if self.in_process:
+            return "it runs in this process"
+        if self.restarts[0] >= self.restart_limit:
+            return f"it was replaced {self.restarts[0]} time(s), the most rollout.engine_restarts={self.restart_limit} allows"
+        if not any(h is not None for h in (self.adapter, self.merged, self.named_weights, self.export_weights)):
+            return "no learner is hooked to it to give a new engine the session's weights"
+        return None
+
+    def restart(self, sync: bool = True) -> None:
+        """Replace this dead engine in place: the same settings, a new engine-core process, this object kept (the
+        session, the pool and the rollout hold it); then, with ``sync``, the learner's current weights (the session's
+        hooks: in memory, by folder, the adapter, or merged). Raises RuntimeError when it may not
+        (``why_not_restarted``)."""
+        why = self.why_not_restarted()
+        if why is not None:
+            raise RuntimeError(f"the vLLM engine died and is not replaced: {why}")
+        keep = {k: getattr(self, k) for k in ("export_weights", "named_weights", "adapter", "merged", "transport",
+                                               "max_live_episodes", "keep_sync_segment", "restart_limit")}
+        count = self.restarts[0] + 1
+        print(f"warning: the vLLM engine died: starting a new one with the same settings ({count} of at most "
+              f"{self.restart_limit}, rollout.engine_restarts)", flush=True)
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - its process is gone already
+            pass
+        self.__init__(**{**self._init, "export_weights": keep["export_weights"],
+                         "named_weights": keep["named_weights"]})
+        for k, v in keep.items():
+            setattr(self, k, v)
+        self.restarts = [count]
+        if sync:
+            self.sync_weights()
+        print(f"vLLM engine replaced in {self.start_time_s:.1f} s"
+              + (f", the learner's weights loaded in {self.sync_time_s:.1f} s" if sync else ""), flush=True)
+
+    def replace_if_dead(self, sync: bool = True) -> bool:
+        """Before the engine is used: replace it if it died (``restart``); True when it did."""
+        if self._llm is None or not self.dead():
+            return False
+        self.restart(sync=sync)
+        return True
+
     # -- generation ---------------------------------------------------------------------------------------
     def _sampling(self, params: SamplingParams, seed: int | None = None):
         from vllm import SamplingParams as VSP
@@ -576,7 +634,7 @@ class VLLMBackend:
         default budget) and come back, zeroed, when the engine wakes; with ``release_weights`` the linear layers'
         packed weight copies go too (the next weight load, the sync's, rebuilds them). No request
         may be in flight. Returns whether the engine went to sleep (False with neither, or already asleep)."""
-        if self.asleep or self._llm is None:
+        if self.asleep or self._llm is None or (self.restart_limit and self.dead()):  # dead: replaced at the sync
             return False
         if self.sleep_mode:
             self._llm.sleep(level=1)
@@ -755,6 +813,8 @@ class VLLMBackend:
         """Hand the learner's weights to the running engine: in memory when the backend has ``named_weights``
         (the learner's ``(name, tensor)`` pairs), else exported to a temp folder and reloaded from it. A sleeping
         engine (sleep mode) wakes its weights first, takes the new ones, then wakes its KV cache."""
+        if self.restart_limit:  # a dead engine is replaced first; the new one takes the weights below
+            self.replace_if_dead(sync=False)
         t0 = time.time()
         self._wake_for_load()
         if self.adapter is not None:  # model.lora: the adapter alone, the base stays as it is
@@ -1231,6 +1291,17 @@ class EnginePool:
             held = self.engine
             if held is not None and held._llm is None:  # closed behind the pool's back
                 self.engine, self.settings, self.busy, held = None, None, False, None
+            replaced = 0  # the kept engine died between sessions: a new one (rollout.engine_restarts), not a reuse
+            if (held is not None and not self.busy and getattr(held, "restart_limit", 0) and hasattr(held, "dead")
+                    and held.dead()):
+                if held.restarts[0] >= held.restart_limit:
+                    raise RuntimeError(f"the run's vLLM engine died and was replaced {held.restarts[0]} time(s) "
+                                       f"already, the most rollout.engine_restarts={held.restart_limit} allows")
+                replaced = held.restarts[0] + 1
+                print(f"warning: the run's vLLM engine died: starting a new one with the same settings ({replaced} "
+                      f"of at most {held.restart_limit}, rollout.engine_restarts)", flush=True)
+                self.shutdown()
+                held = None
             if held is not None and self.busy:
                 print("warning: the run's vLLM engine is in use by another session: starting a second engine "
                       "(shut down when its session ends)", flush=True)
@@ -1262,6 +1333,8 @@ class EnginePool:
                       "the kept engine down and starting a new one", flush=True)
                 self.shutdown()
             engine = self._start(cfg, model_dir, tokenizer, learner, dtype, plan, lora)
+            if replaced:
+                engine.restarts = [replaced]
             self.engine, self.settings, self.busy = engine, settings, True
             if full_from_adapter and learner is not None:  # and gets the learner's (merged) weights
                 engine.sync_weights()
@@ -1374,6 +1447,7 @@ def _start_engine(cfg, model_dir: str, tokenizer, learner, dtype: str, plan, lor
                           export_weights=export_fn(learner),
                           named_weights=named_weights_fn(learner), in_process=in_process,
                           lora_rank=lora.rank if lora is not None else 0)
+    backend.restart_limit = r.engine_restarts  # a dead engine is replaced (VLLMBackend.restart)
     if lora is not None:
         _hook_session(backend, learner, lora)
         if lora.mode == "adapter":
