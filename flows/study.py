@@ -287,7 +287,14 @@ def main(argv: list[str] | None = None) -> int:
                          "piece of such a seed")
     a = ap.parse_args(argv)
     if a.merge:
-        reports = [json.loads(Path(p).read_text()) for p in a.merge]
+        reports = []
+        for path in a.merge:
+            try:
+                reports.append(json.loads(Path(path).read_text()))
+            except OSError as e:
+                ap.error(f"--merge: cannot read {path}: {e.strerror or e}")
+            except ValueError as e:
+                ap.error(f"--merge: {path} is not a study report (not JSON: {e})")
         report = merge_reports(reports, allow_mixed_precision=a.allow_mixed_precision,
                                names=[Path(p).name for p in a.merge])
         report["merged_from"] = [Path(p).name for p in a.merge]
@@ -319,6 +326,12 @@ def main(argv: list[str] | None = None) -> int:
         warm = warm_start(a)
         a.set = [s for s in a.set if not s.startswith("model.path=")] + [f"model.path={warm['dir']}"]
     cfg = preset_config(a.env, a.preset, a.set)
+    from runtime.backends.model import ModelNotFound, resolve_model
+
+    try:  # before anything trains or scores: a starting model that is not there
+        resolve_model(cfg.model.path)
+    except ModelNotFound as e:
+        ap.error(str(e))
     if cfg.rollout.task_filter == "fits_turns" and {"scalinginter", "scalinginter-fit"} <= set(arms):
         ap.error("the config already draws tasks that fit each phase (rollout.task_filter=fits_turns), so the arms "
                  "scalinginter and scalinginter-fit would be the same run: set rollout.task_filter=none (the "
@@ -476,7 +489,8 @@ def study_status(a: argparse.Namespace, arms: list[str], argv: list[str]) -> int
     results = Path(a.results)
     seeds, found, missing, here, blocked, phases = _plan_pieces(a, arms)
     print(f"study pieces of {a.env} / {a.preset} in {results}: arms {', '.join(arms)} x seeds {seeds[0]}.."
-          f"{seeds[-1]}; {len(found) - len(missing)} of {len(found)} done")
+          f"{seeds[-1]}; {len(found) - len(missing)} of {len(found)} done"
+          + ("" if results.is_dir() else f" ({results} does not exist yet: no pieces)"))
     print(f"{'arm':<20}{'seed':>5}  {'held-out':>8}  {'arithmetic':<28}report")
     for (arm, seed), ps in found.items():
         if not ps:

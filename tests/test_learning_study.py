@@ -641,3 +641,21 @@ def test_the_study_evaluates_lock_step_and_reports_the_rescore(tmp_path, monkeyp
     other = ls.rescore_report(_doc(BASE, LABELS, "/m"), _doc(BASE, LABELS, "/m"), [2, 4])  # all the same
     merged = ls.merge_reports([rep, {**_report([1]), "rescore": other}])
     assert merged["rescore"] == {"parts": [rs, other]} and ls.table(merged).count("re-score") == 2
+
+
+def test_study_says_what_is_wrong_with_its_input(tmp_path, capsys):
+    """A --merge file that is missing or not JSON, a starting model that is not there: a clear error before
+    anything trains (no traceback); --status on a results folder not made yet says so."""
+    ls = _bench()
+    (tmp_path / "notes.txt").write_text("not a report")
+    for argv, says in ((["--merge", str(tmp_path / "missing.json")], "cannot read"),
+                       (["--merge", str(tmp_path / "notes.txt")], "is not a study report"),
+                       (["--env", "babyai", "--preset", "multistep", "--arms", "fixed-short", "--seeds", "1",
+                         "--set", f"model.path={tmp_path / 'no-model'}", "--output-dir", str(tmp_path / "out")],
+                        "not found: no such folder")):
+        with pytest.raises(SystemExit):
+            ls.main(argv)
+        assert says in capsys.readouterr().err
+    assert not (tmp_path / "out" / "evals").exists()  # nothing was scored
+    assert ls.main(["--env", "babyai", "--preset", "multistep", "--results", str(tmp_path / "later"), "--status"]) == 0
+    assert f"({tmp_path / 'later'} does not exist yet: no pieces)" in capsys.readouterr().out
