@@ -246,40 +246,18 @@ def test_toy_run_with_two_engines(tmp_path, toy_policy):
     (``--deselect`` in .ci/run) to keep the tier's added time to the three engine tests above: this run starts three
     more engines and a learner (149 s without the kill at load average 2-3, 460 s at 4-5 on the 2-core machine; with
     the kill and the replacement 197 s on an idle 2-core AVX2 EPYC, family 25 model 1)."""
-    import psutil
+    def pick(steps, cores, killed):  # once step 1 is logged: the second of the two engine-core processes
+        return cores[-1] if steps and not killed and len(cores) >= 2 else None
 
-    from tests.toypolicy import toy_run_cmd
-
-    cmd = toy_run_cmd(tmp_path, toy_policy, "two", ["rollout.backend=vllm", "rollout.engines=2",
-                                                     "rollout.samples_per_task=4"])
-    t0 = time.time()
-    env = {**LONG_WAITS, **os.environ, "PYTHONPATH": str(ROOT)}
-    log = tmp_path / "run.log"
-    metrics = tmp_path / "two" / "metrics.jsonl"
-    with open(log, "w") as out:
-        p = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
-    killed = None
-    try:
-        while p.poll() is None and time.time() - t0 < 1800:
-            if killed is None and metrics.exists() and metrics.read_text().strip():
-                cores = [q for q in psutil.Process(p.pid).children(recursive=True)
-                         if "EngineCore" in " ".join([q.name()] + (q.cmdline() or []))]
-                if len(cores) >= 2:
-                    killed = cores[-1].pid
-                    os.kill(killed, signal.SIGKILL)
-            time.sleep(0.5)
-        p.wait(timeout=max(1.0, 1800 - (time.time() - t0)))
-    finally:
-        if p.poll() is None:
-            p.kill()
-    text = log.read_text()
-    print(f"\ntoy run on two engines, one killed after step 1 (pid {killed}): {time.time() - t0:.0f} s")
+    rc, text, killed, rows, secs = _toy_run_with_kills(tmp_path, toy_policy, "two", [
+        "rollout.backend=vllm", "rollout.engines=2", "rollout.samples_per_task=4"], pick)
+    killed = killed[0] if killed else None
+    print(f"\ntoy run on two engines, one killed after step 1 (pid {killed}): {secs:.0f} s")
     print("\n".join(x[x.find("rollout engine"):] for x in text.splitlines() if "rollout engine" in x))
-    assert p.returncode == 0, text[-5000:]
+    assert rc == 0, text[-5000:]
     assert "vLLM: 2 rollout engines (cores " in text
     assert killed is not None, "the test found no engine-core process to kill after step 1"
     assert "rollout engine 1 replaced by a new engine" in text or "rollout engine 0 replaced by a new engine" in text
-    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
     assert len(rows) == 3 and all("train/weight_sync_s" in r for r in rows)
     assert rows[-1]["train/engine_restarts"] == 1.0
     assert all(r["masked_episodes"] == 0 for r in rows), [r["masked_episodes"] for r in rows]
@@ -337,39 +315,53 @@ def test_toy_run_with_one_engine_killed(tmp_path, toy_policy):
     before step 3's rollout and gets the learner's weights). The run ends its three steps with every episode and
     ``train/engine_restarts`` 2. Left out of CI's slow tier (it starts three engines and a learner: minutes on the
     2-core machine); the stand-in test in tests/test_engines_plan.py (default suite) covers a death mid-rollout."""
+    def pick(steps, cores, killed):  # after step 1, then after step 2: each time the engine-core process there
+        fresh = [c for c in cores if c not in killed]
+        return fresh[0] if fresh and len(killed) < min(steps, 2) else None
+
+    rc, text, killed, rows, secs = _toy_run_with_kills(tmp_path, toy_policy, "one", [
+        "rollout.backend=vllm", "rollout.vllm_in_process=false", "rollout.samples_per_task=4"], pick)
+    print(f"\ntoy run on one engine, killed after steps 1 and 2 (pids {killed}): {secs:.0f} s")
+    print("\n".join(x for x in text.splitlines() if "vLLM engine" in x and ("died" in x or "replaced" in x)))
+    assert rc == 0, text[-5000:]
+    assert len(killed) == 2, f"the test killed {len(killed)} engine-core processes, not 2"
+    assert text.count("vLLM engine died: starting a new one") == 2
+    assert len(rows) == 3 and rows[-1]["train/engine_restarts"] == 2.0
+    assert all(r["masked_episodes"] == 0 for r in rows), [r["masked_episodes"] for r in rows]
+
+
+def _toy_run_with_kills(tmp_path, toy_policy, name, sets, pick):
+    """``scalinginter run toy --run-name NAME`` with ``sets``; every 0.2 s ``pick(steps logged, engine-core pids,
+    pids killed so far)`` names an engine-core process to SIGKILL, or None. Returns the exit code, the run's output,
+    the pids killed, the metrics rows and the seconds taken."""
     import psutil
 
     from tests.toypolicy import toy_run_cmd
 
-    cmd = toy_run_cmd(tmp_path, toy_policy, "one", ["rollout.backend=vllm", "rollout.vllm_in_process=false",
-                                                     "rollout.samples_per_task=4"])
     t0 = time.time()
     env = {**LONG_WAITS, **os.environ, "PYTHONPATH": str(ROOT)}
-    log = tmp_path / "run.log"
-    metrics = tmp_path / "one" / "metrics.jsonl"
+    log, metrics = tmp_path / "run.log", tmp_path / name / "metrics.jsonl"
     with open(log, "w") as out:
-        p = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+        p = subprocess.Popen(toy_run_cmd(tmp_path, toy_policy, name, sets), cwd=tmp_path, env=env, stdout=out,
+                             stderr=subprocess.STDOUT, text=True)
     killed: list[int] = []
     try:
         while p.poll() is None and time.time() - t0 < 1800:
             steps = len(metrics.read_text().splitlines()) if metrics.exists() else 0
-            if len(killed) < min(steps, 2):  # after step 1, then after step 2: each time the engine-core process
+            try:
                 cores = [q.pid for q in psutil.Process(p.pid).children(recursive=True)
-                         if "EngineCore" in " ".join([q.name()] + (q.cmdline() or [])) and q.pid not in killed]
-                if cores:
-                    killed.append(cores[0])
-                    os.kill(cores[0], signal.SIGKILL)
+                         if "EngineCore" in " ".join([q.name()] + (q.cmdline() or []))]
+            except psutil.Error:  # the run ended, or a child went, while it was listed
+                time.sleep(0.2)
+                continue
+            pid = pick(steps, cores, killed)
+            if pid is not None:
+                killed.append(pid)
+                os.kill(pid, signal.SIGKILL)
             time.sleep(0.2)
         p.wait(timeout=max(1.0, 1800 - (time.time() - t0)))
     finally:
         if p.poll() is None:
             p.kill()
-    text = log.read_text()
-    print(f"\ntoy run on one engine, killed after steps 1 and 2 (pids {killed}): {time.time() - t0:.0f} s")
-    print("\n".join(x for x in text.splitlines() if "vLLM engine" in x and ("died" in x or "replaced" in x)))
-    assert p.returncode == 0, text[-5000:]
-    assert len(killed) == 2, f"the test killed {len(killed)} engine-core processes, not 2"
-    assert text.count("vLLM engine died: starting a new one") == 2
-    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
-    assert len(rows) == 3 and rows[-1]["train/engine_restarts"] == 2.0
-    assert all(r["masked_episodes"] == 0 for r in rows), [r["masked_episodes"] for r in rows]
+    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
+    return p.returncode, log.read_text(), killed, rows, time.time() - t0
