@@ -412,6 +412,8 @@ class VLLMBackend:
     """A vLLM ``LLM`` engine (a run's ``EnginePool`` keeps one for many sessions). Close it (or use it as a
     context manager) to free its process."""
 
+    restart_limit = 0  # rollout.engine_restarts, set by the run on the instance: how often a dead engine is replaced
+
     def __init__(
         self,
         model_path: str,
@@ -437,7 +439,6 @@ class VLLMBackend:
         cpu_cores: str | None = None,
     ):
         self._init = {k: v for k, v in locals().items() if k not in ("self", "__class__")}  # restart() starts it again
-        self.restart_limit = 0  # rollout.engine_restarts, set by the run: how often a dead engine is replaced
         self.restarts = [0]  # times this engine was replaced (an engine set keeps one count per slot)
         self.model_path = str(model_path)
         self.eos_token_id = int(eos_token_id)
