@@ -431,6 +431,11 @@ def precision_conflict(precisions: Sequence[dict[str, str]], names: Sequence[str
     return "; ".join(lines) or None
 
 
+def precision_text(p: dict[str, str]) -> str:
+    """A precision as words: ``learner bf16, rollout bfloat16``."""
+    return ", ".join(f"{k} {v}" for k, v in sorted(p.items()))
+
+
 def merged_precision(precisions: Sequence[dict[str, str]]) -> dict[str, str]:
     """The merged report's precision: each key's common value, or ``mixed (a, b)`` where pieces differ."""
     out = {}
@@ -523,8 +528,7 @@ def blocked_seeds(pieces: Sequence[Piece], here: dict[str, str], start: str | No
         if p.seed in out:
             continue
         if precision_conflict([p.precision, here], ["piece", "here"]):
-            got = ", ".join(f"{k} {v}" for k, v in sorted(p.precision.items()))
-            out[p.seed] = f"its pieces trained in {got} ({p.arm}, {p.report})"
+            out[p.seed] = f"its pieces trained in {precision_text(p.precision)} ({p.arm}, {p.report})"
         elif start is not None and p.start is not None and p.start != start:
             out[p.seed] = f"its pieces started from another model ({p.arm}, {p.report})"
     return out

@@ -102,6 +102,7 @@ from core.study import (  # noqa: E402
     piece_progress,
     pieces_in,
     pooled_successes,
+    precision_text,
     report_precision,
     retention,
     seed_numbers,
@@ -388,10 +389,6 @@ def run_precision(cfg) -> dict[str, str]:
     return {"learner": learner, "rollout": rollout}
 
 
-def _precision_text(p: dict[str, str]) -> str:
-    return ", ".join(f"{k} {v}" for k, v in sorted(p.items()))
-
-
 def named_reports(results: Path) -> list[tuple[str, dict[str, Any]]]:
     """The JSON reports in a results folder, by file name (files that are not JSON skipped)."""
     named = []
@@ -413,8 +410,8 @@ def warn_other_arithmetic(a: argparse.Namespace, here: dict[str, str]) -> None:
     if other:
         p = other[0]
         print(f"warning: {len(other)} piece(s) of seed(s) {', '.join(str(s) for s in sorted({p.seed for p in other}))}"
-              f" of this study in {a.results} trained in {_precision_text(p.precision)} (e.g. {p.arm} seed {p.seed}, "
-              f"{p.report}); this machine trains in {_precision_text(here)}: this study's runs of those seeds will "
+              f" of this study in {a.results} trained in {precision_text(p.precision)} (e.g. {p.arm} seed {p.seed}, "
+              f"{p.report}); this machine trains in {precision_text(here)}: this study's runs of those seeds will "
               "differ from them in arithmetic as well as in arm", flush=True)
 
 
@@ -433,7 +430,7 @@ def _plan_pieces(a: argparse.Namespace, arms: list[str]):
 
 def _blocked_text(blocked: dict[int, str], here: dict[str, str]) -> str:
     return "; ".join(f"seed {s}: {why}" for s, why in sorted(blocked.items())) + (
-        f"; this machine trains in {_precision_text(here)}")
+        f"; this machine trains in {precision_text(here)}")
 
 
 def next_piece(a: argparse.Namespace, arms: list[str]) -> tuple[str, int] | None:
@@ -450,9 +447,9 @@ def next_piece(a: argparse.Namespace, arms: list[str]) -> tuple[str, int] | None
     if not mine:
         left = {s for _, s in missing}
         raise SystemExit(f"--next: every seed left has pieces this machine must not add to: "
-                         f"{_blocked_text({s: w for s, w in blocked.items() if s in left}, here)}. Within a seed every arm trains in one arithmetic from one "
-                         "starting model: run these on a machine like theirs (with their model.path), add a seed "
-                         "(--seeds), or pass --allow-mixed-precision")
+                         f"{_blocked_text({s: w for s, w in blocked.items() if s in left}, here)}. Within a seed "
+                         "every arm trains in one arithmetic from one starting model: run these on a machine like "
+                         "theirs (with their model.path), add a seed (--seeds), or pass --allow-mixed-precision")
     arm, seed = mine[0]
     skipped = sorted({s for _, s in missing if s in blocked and s < seed})
     why = f"; skipped seed(s) {', '.join(map(str, skipped))}: {_blocked_text({s: blocked[s] for s in skipped}, here)}" \
@@ -470,13 +467,10 @@ def _in_progress(a: argparse.Namespace, arm: str, seed: int, phases: list[dict])
     metrics = run_dir / "metrics.jsonl"
     if not metrics.exists():
         return "(to run)"
-    records = []
-    for line in metrics.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except ValueError:  # a line cut by a kill
-            continue
-    prog = piece_progress([r for r in records if "global_step" in r], arm_phases(phases, arm))
+    from core.records import kept_metric_lines
+
+    lines = kept_metric_lines(metrics.read_text().splitlines(), sys.maxsize)  # a line cut by a kill left out
+    prog = piece_progress([json.loads(x) for x in lines], arm_phases(phases, arm))
     left = f", about {prog['left_s'] / 3600:.1f} h of training left at its pace" if prog["left_s"] is not None else ""
     return f"(in progress in {a.output_dir}: step {prog['done']}/{prog['total']}{left}; its command resumes it)"
 
@@ -497,7 +491,7 @@ def study_status(a: argparse.Namespace, arms: list[str], argv: list[str]) -> int
             print(f"{arm:<20}{seed:>5}  {'-':>8}  {'-':<28}{_in_progress(a, arm, seed, phases)}")
         for p in ps:
             held = f"{p.heldout:.3f}" if p.heldout is not None else "?"
-            print(f"{arm:<20}{seed:>5}  {held:>8}  {_precision_text(p.precision):<28}{p.report}")
+            print(f"{arm:<20}{seed:>5}  {held:>8}  {precision_text(p.precision):<28}{p.report}")
     twice = [(k, [p.report for p in ps]) for k, ps in found.items() if len(ps) > 1]
     for (arm, seed), names in twice:
         print(f"warning: {arm} seed {seed} is in {len(names)} reports ({', '.join(names)}): --merge takes each run "
@@ -508,11 +502,11 @@ def study_status(a: argparse.Namespace, arms: list[str], argv: list[str]) -> int
         print(f"warning: pieces of one seed trained in different arithmetic ({conflict}): --merge refuses them "
               "without --allow-mixed-precision")
     for seed in seeds:
-        have = sorted({_precision_text(p.precision) for p in done if p.seed == seed})
+        have = sorted({precision_text(p.precision) for p in done if p.seed == seed})
         if have:
             print(f"seed {seed}: trained in {' and '.join(have)}"
                   + (f"; this machine must not add to it: {blocked[seed]}, this machine trains in "
-                     f"{_precision_text(here)}" if seed in blocked else ""))
+                     f"{precision_text(here)}" if seed in blocked else ""))
     runnable = [m for m in missing if m[1] not in blocked]
     if missing and not runnable:
         print(f"none of the {len(missing)} pieces left can run on this machine (one arithmetic and one starting model "
@@ -1036,12 +1030,12 @@ def _starts(report: dict[str, Any]) -> str:
 
 def _arithmetic(report: dict[str, Any]) -> str:
     """The table's arithmetic line: the report's, and each seed's where the seeds differ."""
-    text = _precision_text(report["precision"])
+    text = precision_text(report["precision"])
     by_seed = report.get("precision_by_seed") or {}
-    if len({_precision_text(p) for p in by_seed.values()}) > 1:
+    if len({precision_text(p) for p in by_seed.values()}) > 1:
         groups: dict[str, list[str]] = {}
         for seed, p in by_seed.items():
-            groups.setdefault(_precision_text(p), []).append(seed)
+            groups.setdefault(precision_text(p), []).append(seed)
         text += " (" + "; ".join(f"seed{'s' if len(v) > 1 else ''} {', '.join(v)}: {k}" for k, v in groups.items()) + \
             "; within a seed, one)"
     return text

@@ -332,7 +332,8 @@ def test_status_lists_the_pieces_done_and_the_next_command(tmp_path, capsys):
     assert nxt.endswith("--budgets 2,4 --arms scalinginter --seeds 1 --first-seed 1")
     assert "--status" not in nxt and "--arms scalinginter,fixed-long" not in nxt
     # the pieces of seed 1 in this machine's arithmetic: the next one here is seed 1's fixed-long
-    (tmp_path / "c.json").write_text(json.dumps({**_report([1], arms=["scalinginter"]), "precision": {"learner": here}}))
+    (tmp_path / "c.json").write_text(json.dumps({**_report([1], arms=["scalinginter"]),
+                                                 "precision": {"learner": here}}))
     assert ls.main(argv("3")) == 0
     out = capsys.readouterr().out
     assert "3 of 6 done" in out and f"seed 1: trained in learner {here}\n" in out

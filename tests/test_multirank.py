@@ -15,6 +15,7 @@ autocast); the weights move by ~1e-1, and the old per-rank normalisation lands >
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -282,10 +283,7 @@ def test_lora_on_deepspeed_checkpoint_resumes_exactly(tiny_model, tmp_path):
     from runtime.backends.lora import is_adapter_dir, merged_entries
 
     kw, _ = CASES["lora"]
-    cfg = _cfg(kw)
-    import dataclasses
-
-    cfg = dataclasses.replace(cfg, lr=1e-2)
+    cfg = dataclasses.replace(_cfg(kw), lr=1e-2)
     trajs, advs = _batch()
     advs2 = [[-a for a in row] for row in advs]  # the second step: another batch's advantages
     torch.manual_seed(ADAPTER_SEED)

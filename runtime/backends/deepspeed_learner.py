@@ -410,10 +410,7 @@ class DeepSpeedLearner(TorchLearner):
         layout_file = ds_dir / "layout.json"
         layout = json.loads(layout_file.read_text()) if layout_file.exists() else None
         if self.peft is not None and weights:  # the adapter's files, refused on another base (the torch learner's)
-            from runtime.backends.lora import check_base, load_adapter_weights
-
-            check_base(directory, self.base_dir)
-            load_adapter_weights(self.peft, directory)
+            self._load_adapter(directory)
         if layout == self._layout():
             self.engine.load_checkpoint(str(ds_dir), tag="state", load_optimizer_states=True,
                                         load_lr_scheduler_states=False, load_module_only=False,
@@ -439,16 +436,12 @@ class DeepSpeedLearner(TorchLearner):
                 **({"lora": True} if self.peft is not None else {})}
 
     def _load_hf_weights(self, directory: Path) -> None:
+        """The folder's weights into the module (LoRA: its adapter, which load_training_state loaded already), then
+        ZeRO's fp32 copies refreshed from the module."""
         from runtime.backends.learner import load_causal_lm
 
-        if self.peft is not None:  # the adapter was loaded from the folder (load_training_state): ZeRO's copies
-            restore = getattr(self.engine.optimizer, "_restore_from_bit16_weights", None)
-            if restore is not None:
-                restore()
-            return
-
-        fresh = load_causal_lm(str(directory)).state_dict()
-        if self.zero_stage == 3:
+        if self.peft is None and self.zero_stage == 3:
+            fresh = load_causal_lm(str(directory)).state_dict()
             import deepspeed
 
             params = dict(self.model.named_parameters())
@@ -456,8 +449,8 @@ class DeepSpeedLearner(TorchLearner):
                 if self.rank == 0:
                     for n, p in params.items():
                         p.data.copy_(fresh[n])
-        else:
-            self.model.load_state_dict(fresh)
+        elif self.peft is None:
+            self.model.load_state_dict(load_causal_lm(str(directory)).state_dict())
         restore = getattr(self.engine.optimizer, "_restore_from_bit16_weights", None)
         if restore is not None:  # ZeRO keeps its own fp32 partitions: refresh them from the module
             restore()

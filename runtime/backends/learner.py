@@ -1171,15 +1171,19 @@ class TorchLearner:
         save_file(tensors, str(Path(directory) / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         write_base_record(directory, self.base_dir, self.base_sha256)
 
+    def _load_adapter(self, directory: Path) -> None:
+        """LoRA: the adapter's weights from a checkpoint folder, refused when its base is not this learner's."""
+        from runtime.backends.lora import check_base, load_adapter_weights
+
+        check_base(directory, self.base_dir)
+        load_adapter_weights(self.peft, directory)
+
     def load_training_state(self, directory: Path, weights: bool = True) -> dict[str, Any]:
         """Load (model weights,) optimizer state and RNG from a checkpoint folder; returns trainer_state. With LoRA
         the weights are the adapter's, refused when the checkpoint's base is not this learner's."""
         directory = Path(directory)
         if weights and self.peft is not None:
-            from runtime.backends.lora import check_base, load_adapter_weights
-
-            check_base(directory, self.base_dir)
-            load_adapter_weights(self.peft, directory)
+            self._load_adapter(directory)
         elif weights:
             fresh = load_causal_lm(str(directory))
             self.model.load_state_dict(fresh.state_dict())

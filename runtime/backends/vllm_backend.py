@@ -549,13 +549,13 @@ class VLLMBackend:
         """None when a dead engine may be replaced now, else why not: an in-process engine, the limit
         (``rollout.engine_restarts``) reached, or no learner hooked to give a new engine the session's weights (an
         evaluation session's engine, whose weights came from a folder or an adapter, fails as before)."""
+        from core.engines import engines_to_restart
+
         if self.in_process:
             return "it runs in this process"
-        if self.restarts[0] >= self.restart_limit:
-            return f"it was replaced {self.restarts[0]} time(s), the most rollout.engine_restarts={self.restart_limit} allows"
-        if not any(h is not None for h in (self.adapter, self.merged, self.named_weights, self.export_weights)):
-            return "no learner is hooked to it to give a new engine the session's weights"
-        return None
+        hooked = any(h is not None for h in (self.adapter, self.merged, self.named_weights, self.export_weights))
+        _, why = engines_to_restart([True], [False], self.restarts, self.restart_limit, can_load=hooked)
+        return why.get(0)
 
     def restart(self, sync: bool = True) -> None:
         """Replace this dead engine in place: the same settings, a new engine-core process, this object kept (the
@@ -1295,9 +1295,11 @@ class EnginePool:
             replaced = 0  # the kept engine died between sessions: a new one (rollout.engine_restarts), not a reuse
             if (held is not None and not self.busy and getattr(held, "restart_limit", 0) and hasattr(held, "dead")
                     and held.dead()):
-                if held.restarts[0] >= held.restart_limit:
-                    raise RuntimeError(f"the run's vLLM engine died and was replaced {held.restarts[0]} time(s) "
-                                       f"already, the most rollout.engine_restarts={held.restart_limit} allows")
+                from core.engines import engines_to_restart
+
+                _, why = engines_to_restart([True], [False], held.restarts, held.restart_limit)  # this session loads
+                if why:  # the weights itself
+                    raise RuntimeError(f"the run's vLLM engine died and is not replaced: {why[0]}")
                 replaced = held.restarts[0] + 1
                 print(f"warning: the run's vLLM engine died: starting a new one with the same settings ({replaced} "
                       f"of at most {held.restart_limit}, rollout.engine_restarts)", flush=True)
