@@ -534,18 +534,21 @@ def blocked_seeds(pieces: Sequence[Piece], here: dict[str, str], start: str | No
     return out
 
 
-def piece_progress(records: Sequence[dict[str, Any]], phases: Sequence[dict]) -> dict[str, Any]:
+def piece_progress(records: Sequence[dict[str, Any]], phases: Sequence[dict], recent: int = 3) -> dict[str, Any]:
     """How far a run in progress is, from its ``metrics.jsonl`` records (``global_step``, ``turn_limit``,
     ``step_time_s``; a step logged twice, once before a resume, counts once with its last record) and its arm's
     phases (``arm_phases``): steps done and in all, and the training time left at its own pace. A step's time grows
-    about linearly with its turn limit (episodes run longer and the update sees more tokens), so the estimate is its
-    seconds per unit of turn limit so far times the turn limits of the steps left; None before the first step. The
-    held-out scoring after the run is not in it."""
+    about linearly with its turn limit (episodes run longer and the update sees more tokens), so the estimate is the
+    seconds per unit of turn limit of its last ``recent`` steps times the turn limits of the steps left: the pace
+    of the machine as it runs now, not of an earlier stretch slowed by other work or run on another machine before
+    a resume. None before the first step. The held-out scoring after the run is not in it."""
     limits = [int(p["turn_limit"]) for p in phases for _ in range(int(p["steps"]))]
     by_step = {int(r["global_step"]): r for r in records}
     done = [r for s, r in sorted(by_step.items()) if s <= len(limits)]
     spent = sum(float(r.get("step_time_s") or 0.0) for r in done)
-    units = sum(float(r.get("turn_limit") or limits[int(r["global_step"]) - 1]) for r in done)
+    last = done[-max(1, recent):]
+    pace_s = sum(float(r.get("step_time_s") or 0.0) for r in last)
+    units = sum(float(r.get("turn_limit") or limits[int(r["global_step"]) - 1]) for r in last)
     left = sum(limits[len(done):])
     return {"done": len(done), "total": len(limits), "spent_s": spent,
-            "left_s": spent / units * left if done and units else None}
+            "left_s": pace_s / units * left if done and units else None}

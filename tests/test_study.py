@@ -502,4 +502,10 @@ def test_piece_progress_by_hand():
             {"global_step": 3, "turn_limit": 6, "step_time_s": 90.0}]
     # 180 s over turn limits 3 + 3 + 6 = 12: 15 s a unit; the step left is at 10 turns: 150 s
     assert piece_progress(recs, phases) == {"done": 3, "total": 4, "spent_s": 180.0, "left_s": 150.0}
+    # the pace of the last 2 steps only: 140 s over 3 + 6 = 9 turns, x 10 turns left
+    assert piece_progress(recs, phases, recent=2)["left_s"] == 140.0 / 9 * 10
+    # a slow start (other work beside it, or another machine before a resume) does not set the pace
+    slow = [{"global_step": 1, "turn_limit": 3, "step_time_s": 400.0}] + recs[1:]
+    assert piece_progress(slow, phases, recent=2)["left_s"] == 140.0 / 9 * 10
+    assert piece_progress(slow, phases)["spent_s"] == 540.0
     assert piece_progress(recs + [{"global_step": 4, "turn_limit": 10, "step_time_s": 160.0}], phases)["left_s"] == 0
