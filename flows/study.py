@@ -71,6 +71,7 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,7 @@ from core.study import (  # noqa: E402
     ARMS,
     COLLAPSE_RULE,
     DEFAULT_ARMS,
+    Piece,
     arm_overrides,
     arm_phases,
     bucket_rates,
@@ -415,17 +417,28 @@ def warn_other_arithmetic(a: argparse.Namespace, here: dict[str, str]) -> None:
               "differ from them in arithmetic as well as in arm", flush=True)
 
 
-def _plan_pieces(a: argparse.Namespace, arms: list[str]):
-    """The seeds asked for, the pieces found in --results per (arm, seed), those left (``core.study.piece_plan``),
-    the arithmetic this machine trains the study's config in, and the seeds this machine must not add to
-    (``core.study.blocked_seeds``: their pieces trained in other arithmetic or from another starting model)."""
+@dataclass
+class PiecePlan:
+    """The pieces of --arms x seeds: the seeds asked for, the reports found per (arm, seed) and the (arm, seed)s
+    left (``core.study.piece_plan``), the arithmetic this machine trains the study's config in, the seeds it must
+    not add to with why (``core.study.blocked_seeds``), and the curriculum phases of the study's config."""
+    seeds: list[int]
+    found: dict[tuple[str, int], list[Piece]]
+    missing: list[tuple[str, int]]
+    here: dict[str, str]
+    blocked: dict[int, str]
+    phases: list[dict]
+
+
+def _plan_pieces(a: argparse.Namespace, arms: list[str]) -> PiecePlan:
+    """The study's pieces as --results holds them, and what this machine may add (``PiecePlan``)."""
     seeds = list(range(a.first_seed, a.first_seed + a.seeds))
     found, missing = piece_plan(pieces_in(named_reports(Path(a.results)), a.env, a.preset), arms, seeds)
     cfg = preset_config(a.env, a.preset, absolute_model_path(a.set))
     here = run_precision(cfg)
     start = start_key({"start_model": start_model_record(cfg.model.path, None)})
     blocked = blocked_seeds([p for ps in found.values() for p in ps], here, start)
-    return seeds, found, missing, here, blocked, [p.model_dump() for p in cfg.curriculum.phases]
+    return PiecePlan(seeds, found, missing, here, blocked, [p.model_dump() for p in cfg.curriculum.phases])
 
 
 def _blocked_text(blocked: dict[int, str], here: dict[str, str]) -> str:
@@ -438,7 +451,8 @@ def next_piece(a: argparse.Namespace, arms: list[str]) -> tuple[str, int] | None
     (None, said, when every piece is in). One arithmetic and one starting model per seed: a seed whose pieces
     trained in another arithmetic or from another model is skipped (``core.study.blocked_seeds``); refused
     (SystemExit) when every seed left is, unless --allow-mixed-precision."""
-    seeds, found, missing, here, blocked, _ = _plan_pieces(a, arms)
+    plan = _plan_pieces(a, arms)
+    seeds, found, missing, here, blocked = plan.seeds, plan.found, plan.missing, plan.here, plan.blocked
     if not missing:
         print(f"every piece of {', '.join(arms)} x seeds {seeds[0]}..{seeds[-1]} has a report in {a.results}: "
               "nothing to run (--merge pools them)", flush=True)
@@ -481,14 +495,15 @@ def study_status(a: argparse.Namespace, arms: list[str], argv: list[str]) -> int
     import shlex
 
     results = Path(a.results)
-    seeds, found, missing, here, blocked, phases = _plan_pieces(a, arms)
+    plan = _plan_pieces(a, arms)
+    seeds, found, missing, here, blocked = plan.seeds, plan.found, plan.missing, plan.here, plan.blocked
     print(f"study pieces of {a.env} / {a.preset} in {results}: arms {', '.join(arms)} x seeds {seeds[0]}.."
           f"{seeds[-1]}; {len(found) - len(missing)} of {len(found)} done"
           + ("" if results.is_dir() else f" ({results} does not exist yet: no pieces)"))
     print(f"{'arm':<20}{'seed':>5}  {'held-out':>8}  {'arithmetic':<28}report")
     for (arm, seed), ps in found.items():
         if not ps:
-            print(f"{arm:<20}{seed:>5}  {'-':>8}  {'-':<28}{_in_progress(a, arm, seed, phases)}")
+            print(f"{arm:<20}{seed:>5}  {'-':>8}  {'-':<28}{_in_progress(a, arm, seed, plan.phases)}")
         for p in ps:
             held = f"{p.heldout:.3f}" if p.heldout is not None else "?"
             print(f"{arm:<20}{seed:>5}  {held:>8}  {precision_text(p.precision):<28}{p.report}")
