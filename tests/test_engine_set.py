@@ -330,6 +330,56 @@ def test_toy_run_with_one_engine_killed(tmp_path, toy_policy):
     assert all(r["masked_episodes"] == 0 for r in rows), [r["masked_episodes"] for r in rows]
 
 
+@pytest.mark.slow
+def test_toy_eval_with_its_engine_killed(tmp_path, toy_policy):
+    """``scalinginter eval`` of the toy policy on one vLLM engine in its own processes, its engine-core process
+    SIGKILLed once it is up and the env servers are spawned (before or during the rollout): the evaluation's engine (no learner hooked) is replaced, the new one reloads
+    the checkpoint's folder, and the rollout runs (again); the per-task outcomes equal those of the same evaluation
+    left alone (greedy decoding, each episode seeded by its task). Left out of CI's slow tier, as the toy runs
+    with engines killed; ``tests/test_engines_plan.py`` checks the reload with a stand-in engine."""
+    import psutil
+
+    from tests.toypolicy import cli_cmd
+
+    env = {**LONG_WAITS, **os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+
+    def scored(name: str, kill: bool) -> tuple[dict, str, list[int]]:
+        out = tmp_path / f"{name}.json"
+        cmd = cli_cmd() + ["eval", str(toy_policy), "toy", "--n", "48", "--turn-limits", "2,4", "--max-new-tokens", "8",
+                     "--json", str(out), "--no-mlflow"] + [
+            a for x in ("rollout.backend=vllm", "rollout.vllm_in_process=false", "rollout.token_budget=512",
+                        "rollout.engine_restarts=1", f"output_dir={tmp_path / name}") for a in ("--set", x)]
+        p = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines, killed = [], []
+        try:
+            for line in p.stdout:
+                lines.append(line)
+                if kill and not killed and "env servers: " in line:  # the engine is up; the rollout is next
+                    cores = [q.pid for q in psutil.Process(p.pid).children(recursive=True)
+                             if "EngineCore" in " ".join([q.name()] + (q.cmdline() or []))]
+                    for pid in cores[:1]:
+                        os.kill(pid, signal.SIGKILL)
+                        killed.append(pid)
+            p.wait(timeout=1800)
+        finally:
+            if p.poll() is None:
+                p.kill()
+        text = "".join(lines)
+        assert p.returncode == 0, text[-5000:]
+        return json.loads(out.read_text()), text, killed
+
+    t0 = time.time()
+    alone, _, _ = scored("alone", kill=False)
+    doc, text, killed = scored("killed", kill=True)
+    print(f"\ntwo toy evaluations, the second's engine killed (pid {killed}): {time.time() - t0:.0f} s")
+    print("\n".join(x for x in text.splitlines() if "vLLM engine" in x and ("died" in x or "replaced" in x)))
+    assert len(killed) == 1, "the test found no engine-core process to kill as the evaluation started"
+    assert "vLLM engine replaced in" in text and "the session's weights" in text, text[-5000:]
+    for b in ("2", "4"):
+        got, want = (d["models"]["model"]["budgets"][b]["per_task"] for d in (doc, alone))
+        assert got == want, b
+
+
 def _toy_run_with_kills(tmp_path, toy_policy, name, sets, pick):
     """``scalinginter run toy --run-name NAME`` with ``sets``; every 0.2 s ``pick(steps logged, engine-core pids,
     pids killed so far)`` names an engine-core process to SIGKILL, or None. Returns the exit code, the run's output,

@@ -465,3 +465,41 @@ def test_one_dead_engine_is_replaced_and_its_rollout_runs_again():
         _run_rollout(SimpleNamespace(backend=e), other_error, "t")
     assert e.restarts == [0]
 
+
+
+def test_an_evaluations_dead_engine_is_replaced_with_its_folders_weights(monkeypatch):
+    """A single engine of a session without a learner (an evaluation) is replaced when the pool gave it a ``reload``
+    (``_hook_reload``): the new engine starts with the same settings and reloads the session's folder when it is
+    not the one the engine started on; without ``reload`` (and no learner hooked) it is not replaced, as before."""
+    from runtime.backends import vllm_backend as vb
+
+    started = []
+
+    def fake_init(self, **kw):  # VLLMBackend.__init__ without an engine: what restart() relies on
+        started.append(kw["model_path"])
+        self._init, self.model_path, self._llm, self.in_process = kw, kw["model_path"], object(), False
+        self.export_weights = self.named_weights = self.adapter = self.merged = self.lora_request = None
+        self.restarts, self.start_time_s = [0], 0.5
+        self.transport, self.max_live_episodes, self.keep_sync_segment = "shm", None, False
+
+    monkeypatch.setattr(vb.VLLMBackend, "__init__", fake_init)
+    monkeypatch.setattr(vb.VLLMBackend, "close", lambda self: None)
+    loads = []
+    monkeypatch.setattr(vb.VLLMBackend, "load_folder", lambda self, d: loads.append(str(d)) or 0.1)
+    monkeypatch.setattr(vb.VLLMBackend, "clear_adapter", lambda self: None)
+    e = vb.VLLMBackend(model_path="/m/first", eos_token_id=2)
+    e.restart_limit = 2
+    assert "no learner" in e.why_not_restarted()
+    with pytest.raises(RuntimeError, match="not replaced"):
+        e.restart()
+    vb._hook_reload(e, "/m/first", None, None)  # an evaluation of the folder the engine started on
+    assert e.why_not_restarted() is None
+    e.restart()
+    assert started == ["/m/first", "/m/first"] and loads == [] and e.restarts == [1] and e.reload is not None
+    vb._hook_reload(e, "/m/second", None, None)  # the kept engine, reused by an evaluation of another folder
+    e.restart()
+    assert started[-1] == "/m/first" and loads == ["/m/second"] and e.restarts == [2]
+    assert "replaced 2 times" in e.why_not_restarted()
+    vb._hook_reload(e, "/m/second", object(), None)  # a training session: its learner hooks give the weights
+    assert e.reload is None
+    vb._hook_reload("an engine set", "/m", None, None)  # replaces its own engines: left alone

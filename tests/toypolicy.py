@@ -21,12 +21,16 @@ TOY_RUN_SETS = ("rollout.backend=transformers", f"curriculum.phases={TOY_PHASES}
                 "eval.after=false")
 
 
+def cli_cmd() -> list[str]:
+    """The ``scalinginter`` command of this interpreter's environment (or ``python -m flows.cli``)."""
+    exe = Path(sys.executable).with_name("scalinginter")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "flows.cli"]
+
+
 def toy_run_cmd(out: Path, model: Path, name: str, sets: list[str] | tuple[str, ...] = ()) -> list[str]:
     """``scalinginter run toy --run-name NAME`` with TOY_RUN_SETS, then ``sets``, the model and the output dir
     (as ``--set`` pairs; later ones win)."""
-    exe = Path(sys.executable).with_name("scalinginter")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "flows.cli"]
-    return cmd + ["run", "toy", "--run-name", name] + [
+    return cli_cmd() + ["run", "toy", "--run-name", name] + [
         a for x in (*TOY_RUN_SETS, *sets, f"model.path={model}", f"output_dir={out}") for a in ("--set", x)]
 
 

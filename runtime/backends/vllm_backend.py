@@ -413,6 +413,10 @@ class VLLMBackend:
     context manager) to free its process."""
 
     restart_limit = 0  # rollout.engine_restarts, set by the run on the instance: how often a dead engine is replaced
+    # a session without a learner (an evaluation): how a new engine gets the session's weights back from their
+    # folders after a restart (set by the pool, ``EnginePool.backend_for``; None in a training session, whose
+    # learner hooks give the new engine its weights)
+    reload: Callable[["VLLMBackend"], Any] | None = None
 
     def __init__(
         self,
@@ -545,28 +549,32 @@ class VLLMBackend:
 
         return engine_dead(self)
 
+    def _learner_hooked(self) -> bool:
+        return any(h is not None for h in (self.adapter, self.merged, self.named_weights, self.export_weights))
+
     def why_not_restarted(self) -> str | None:
         """None when a dead engine may be replaced now, else why not: an in-process engine, the limit
-        (``rollout.engine_restarts``) reached, or no learner hooked to give a new engine the session's weights (an
-        evaluation session's engine, whose weights came from a folder or an adapter, fails as before)."""
+        (``rollout.engine_restarts``) reached, or nothing to give a new engine the session's weights (neither a
+        learner hooked nor an evaluation's ``reload`` from the weights' folders)."""
         from core.engines import engines_to_restart
 
         if self.in_process:
             return "it runs in this process"
-        hooked = any(h is not None for h in (self.adapter, self.merged, self.named_weights, self.export_weights))
-        _, why = engines_to_restart([True], [False], self.restarts, self.restart_limit, can_load=hooked)
+        can_load = self._learner_hooked() or self.reload is not None
+        _, why = engines_to_restart([True], [False], self.restarts, self.restart_limit, can_load=can_load)
         return why.get(0)
 
     def restart(self, sync: bool = True) -> None:
         """Replace this dead engine in place: the same settings, a new engine-core process, this object kept (the
         session, the pool and the rollout hold it); then, with ``sync``, the learner's current weights (the session's
-        hooks: in memory, by folder, the adapter, or merged). Raises RuntimeError when it may not
-        (``why_not_restarted``)."""
+        hooks: in memory, by folder, the adapter, or merged), or in an evaluation the session's weights from their
+        folders (``reload``). Raises RuntimeError when it may not (``why_not_restarted``)."""
         why = self.why_not_restarted()
         if why is not None:
             raise RuntimeError(f"the vLLM engine died and is not replaced: {why}")
         keep = {k: getattr(self, k) for k in ("export_weights", "named_weights", "adapter", "merged", "transport",
-                                               "max_live_episodes", "keep_sync_segment", "restart_limit")}
+                                               "max_live_episodes", "keep_sync_segment", "restart_limit",
+                                               "reload")}
         count = self.restarts[0] + 1
         print(f"warning: the vLLM engine died: starting a new one with the same settings ({count} of at most "
               f"{self.restart_limit}, rollout.engine_restarts)", flush=True)
@@ -579,10 +587,15 @@ class VLLMBackend:
         for k, v in keep.items():
             setattr(self, k, v)
         self.restarts = [count]
-        if sync:
+        loaded = ""
+        if sync and self._learner_hooked():
             self.sync_weights()
-        print(f"vLLM engine replaced in {self.start_time_s:.1f} s"
-              + (f", the learner's weights loaded in {self.sync_time_s:.1f} s" if sync else ""), flush=True)
+            loaded = f", the learner's weights loaded in {self.sync_time_s:.1f} s"
+        elif sync and self.reload is not None:
+            t0 = time.time()
+            where = self.reload(self)
+            loaded = f", the session's weights ({where}) loaded in {time.time() - t0:.1f} s"
+        print(f"vLLM engine replaced in {self.start_time_s:.1f} s{loaded}", flush=True)
 
     def replace_if_dead(self, sync: bool = True) -> bool:
         """Before the engine is used: replace it if it died (``restart``); True when it did."""
@@ -1309,6 +1322,7 @@ class EnginePool:
                 print("warning: the run's vLLM engine is in use by another session: starting a second engine "
                       "(shut down when its session ends)", flush=True)
                 second = self._start(cfg, model_dir, tokenizer, learner, dtype, plan, lora)
+                _hook_reload(second, model_dir, learner, lora)
                 if full_from_adapter and learner is not None:
                     second.sync_weights()
                 return second
@@ -1326,6 +1340,7 @@ class EnginePool:
                     self.shutdown()  # its weights are half loaded: never hand it out again
                     raise
                 _hook_session(held, learner, lora)
+                _hook_reload(held, model_dir, learner, lora)
                 held.sync_time_s, held.syncs = 0.0, 0
                 self.busy = True
                 self.reuses += 1
@@ -1336,6 +1351,7 @@ class EnginePool:
                       "the kept engine down and starting a new one", flush=True)
                 self.shutdown()
             engine = self._start(cfg, model_dir, tokenizer, learner, dtype, plan, lora)
+            _hook_reload(engine, model_dir, learner, lora)
             if replaced:
                 engine.restarts = [replaced]
             self.engine, self.settings, self.busy = engine, settings, True
@@ -1382,6 +1398,23 @@ def _hook_session(engine: VLLMBackend, learner, lora: "LoraServing | None") -> N
     own = lora.source if lora is not None and learner is not None else None
     engine.adapter = own if adapter else None
     engine.merged = own if lora is not None and not adapter else None
+
+
+def _hook_reload(engine, model_dir: str, learner, lora: "LoraServing | None") -> None:
+    """A single engine of a session without a learner (an evaluation): ``reload``, how a new engine that replaces
+    it (``VLLMBackend.restart``) gets the session's weights back, from the folder (or the base and the adapter
+    folder) the pool loaded them from. A training session's engine gets none: its learner hooks do that."""
+    if not isinstance(engine, VLLMBackend):  # an engine set replaces its engines itself (engine_set)
+        return
+    if learner is not None:
+        engine.reload = None
+        return
+
+    def reload(e: VLLMBackend) -> str:
+        if lora is None and str(model_dir) == e.model_path:  # the new engine started on the session's folder
+            return str(model_dir)
+        return _load_session_weights(e, model_dir, None, lora)[1]
+    engine.reload = reload
 
 
 def _load_lora_weights(engine: VLLMBackend, lora: LoraServing) -> str:
