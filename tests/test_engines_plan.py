@@ -467,10 +467,11 @@ def test_one_dead_engine_is_replaced_and_its_rollout_runs_again():
 
 
 
-def test_an_evaluations_dead_engine_is_replaced_with_its_folders_weights(monkeypatch):
-    """A single engine of a session without a learner (an evaluation) is replaced when the pool gave it a ``reload``
-    (``_hook_reload``): the new engine starts with the same settings and reloads the session's folder when it is
-    not the one the engine started on; without ``reload`` (and no learner hooked) it is not replaced, as before."""
+def test_a_new_engine_gets_the_weights_the_session_loaded_from_folders(monkeypatch):
+    """``VLLMBackend.restart`` with the pool's ``reload`` (``_hook_reload``): a session without a learner (an
+    evaluation) has its dead engine replaced, the new one started with the same settings and given the session's
+    folder when it is not the one the engine started on; without ``reload`` (and no learner hooked) it is not
+    replaced. A LoRA training session in adapter mode gets its base back before the learner's sync."""
     from runtime.backends import vllm_backend as vb
 
     started = []
@@ -500,6 +501,16 @@ def test_an_evaluations_dead_engine_is_replaced_with_its_folders_weights(monkeyp
     e.restart()
     assert started[-1] == "/m/first" and loads == ["/m/second"] and e.restarts == [2]
     assert "replaced 2 times" in e.why_not_restarted()
-    vb._hook_reload(e, "/m/second", object(), None)  # a training session: its learner hooks give the weights
+    vb._hook_reload(e, "/m/second", object(), None)  # a training session: its learner's sync gives every weight
     assert e.reload is None
+    # a LoRA training session in adapter mode: the new engine gets the session's base, the learner's sync the adapter
+    e.restart_limit, e.adapter = 5, "the learner's adapter"
+    vb._hook_reload(e, "/m/adapter", object(), vb.LoraServing("adapter", "/m/base2", None, 8))
+    e.restart(sync=False)  # as sync_weights does before it moves the adapter
+    assert loads[-1] == "/m/base2" and len(loads) == 2
+    vb._hook_reload(e, "/m/adapter", object(), vb.LoraServing("adapter", "/m/first", None, 8))
+    e.restart(sync=False)  # the engine starts on that base: nothing to load
+    assert len(loads) == 2 and started[-1] == "/m/first"
+    vb._hook_reload(e, "/m/adapter", object(), vb.LoraServing("merged", "/m/base2", None, 0))
+    assert e.reload is None  # merged: the learner's sync moves every weight
     vb._hook_reload("an engine set", "/m", None, None)  # replaces its own engines: left alone

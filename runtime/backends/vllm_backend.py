@@ -413,10 +413,10 @@ class VLLMBackend:
     context manager) to free its process."""
 
     restart_limit = 0  # rollout.engine_restarts, set by the run on the instance: how often a dead engine is replaced
-    # a session without a learner (an evaluation): how a new engine gets the session's weights back from their
-    # folders after a restart (set by the pool, ``EnginePool.backend_for``; None in a training session, whose
-    # learner hooks give the new engine its weights)
-    reload: Callable[["VLLMBackend"], Any] | None = None
+    # how a new engine that replaces this one (``restart``) gets back the weights the session loaded from folders:
+    # an evaluation's folder (or LoRA base and adapter folder), a LoRA training session's base (its adapter comes
+    # from the learner); None when the learner's sync gives it everything. Set by the pool (``_hook_reload``).
+    reload: Callable[["VLLMBackend"], str] | None = None
 
     def __init__(
         self,
@@ -566,9 +566,10 @@ class VLLMBackend:
 
     def restart(self, sync: bool = True) -> None:
         """Replace this dead engine in place: the same settings, a new engine-core process, this object kept (the
-        session, the pool and the rollout hold it); then, with ``sync``, the learner's current weights (the session's
-        hooks: in memory, by folder, the adapter, or merged), or in an evaluation the session's weights from their
-        folders (``reload``). Raises RuntimeError when it may not (``why_not_restarted``)."""
+        session, the pool and the rollout hold it); the weights the session loaded from folders (``reload``: an
+        evaluation's, a LoRA session's base), then, with ``sync``, the learner's current weights (the session's
+        hooks: in memory, by folder, the adapter, or merged). Raises RuntimeError when it may not
+        (``why_not_restarted``)."""
         why = self.why_not_restarted()
         if why is not None:
             raise RuntimeError(f"the vLLM engine died and is not replaced: {why}")
@@ -588,13 +589,13 @@ class VLLMBackend:
             setattr(self, k, v)
         self.restarts = [count]
         loaded = ""
-        if sync and self._learner_hooked():
-            self.sync_weights()
-            loaded = f", the learner's weights loaded in {self.sync_time_s:.1f} s"
-        elif sync and self.reload is not None:
+        if self.reload is not None:  # before the learner's sync, which goes on top (a LoRA adapter on its base)
             t0 = time.time()
             where = self.reload(self)
             loaded = f", the session's weights ({where}) loaded in {time.time() - t0:.1f} s"
+        if sync and self._learner_hooked():
+            self.sync_weights()
+            loaded += f", the learner's weights loaded in {self.sync_time_s:.1f} s"
         print(f"vLLM engine replaced in {self.start_time_s:.1f} s{loaded}", flush=True)
 
     def replace_if_dead(self, sync: bool = True) -> bool:
@@ -1401,13 +1402,21 @@ def _hook_session(engine: VLLMBackend, learner, lora: "LoraServing | None") -> N
 
 
 def _hook_reload(engine, model_dir: str, learner, lora: "LoraServing | None") -> None:
-    """A single engine of a session without a learner (an evaluation): ``reload``, how a new engine that replaces
-    it (``VLLMBackend.restart``) gets the session's weights back, from the folder (or the base and the adapter
-    folder) the pool loaded them from. A training session's engine gets none: its learner hooks do that."""
+    """``VLLMBackend.reload`` of a session's single engine: how a new engine that replaces it gets back the weights
+    the pool loaded from folders. A session without a learner (an evaluation): its folder, or with LoRA the base
+    and the adapter folder. A LoRA training session in adapter mode: the base (the learner's sync then moves the
+    adapter); a kept engine may have started on another base. Other training sessions: none (the learner's sync
+    moves every weight). The new engine starts on the model the engine first started on (``restart``)."""
     if not isinstance(engine, VLLMBackend):  # an engine set replaces its engines itself (engine_set)
         return
     if learner is not None:
-        engine.reload = None
+        base = str(lora.base_dir) if lora is not None and lora.mode == "adapter" else None
+
+        def reload_base(e: VLLMBackend) -> str:
+            if base != e.model_path:
+                e.load_folder(base)
+            return f"the base {base}"
+        engine.reload = reload_base if base is not None else None
         return
 
     def reload(e: VLLMBackend) -> str:
