@@ -486,7 +486,23 @@ def _in_progress(a: argparse.Namespace, arm: str, seed: int, phases: list[dict])
     lines = kept_metric_lines(metrics.read_text().splitlines(), sys.maxsize)  # a line cut by a kill left out
     prog = piece_progress([json.loads(x) for x in lines], arm_phases(phases, arm))
     left = f", about {prog['left_s'] / 3600:.1f} h of training left at its pace" if prog["left_s"] is not None else ""
-    return f"(in progress in {a.output_dir}: step {prog['done']}/{prog['total']}{left}; its command resumes it)"
+    return (f"(in progress in {a.output_dir}: step {prog['done']}/{prog['total']}{_phase_heldout(run_dir, phases)}"
+            f"{left}; its command resumes it)")
+
+
+def _phase_heldout(run_dir: Path, phases: list[dict]) -> str:
+    """The held-out success of a run's phase evaluations so far (``eval_phase-K.json``, eval.each_phase), as
+    ``, held-out after phase 1 0.307`` (at the study's largest budget); empty before the first."""
+    from core.evalreport import flat_metrics
+
+    got = []
+    for k in range(1, len(phases) + 1):
+        f = run_dir / f"eval_phase-{k}.json"
+        try:
+            got.append(f"phase {k} {flat_metrics(json.loads(f.read_text()))['success_rate']:.3f}")
+        except (OSError, ValueError, KeyError, TypeError):  # not there yet, or cut by a kill: said as missing
+            continue
+    return f", held-out after {', '.join(got)}" if got else ""
 
 
 def study_status(a: argparse.Namespace, arms: list[str], argv: list[str]) -> int:

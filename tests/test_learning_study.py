@@ -323,6 +323,14 @@ def test_status_lists_the_pieces_done_and_the_next_command(tmp_path, capsys):
     row = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("scalinginter            1"))
     assert row.endswith(f"(in progress in {tmp_path / 'runs'}: step 2/30, about 30.7 h of training left at its pace; "
                         "its command resumes it)")
+    # its phase evaluations so far (eval.each_phase): their held-out success; one cut by a kill is left out
+    overall = {"avg": {"value": 0.3071, "ci": [0.24, 0.39]}, "mean_reward": 0.3, "mean_turns": 5.0, "episodes": 140,
+               "masked_episodes": 0, "tasks": 140, "pass": {}}
+    (run / "eval_phase-1.json").write_text(json.dumps({"models": {"model": {"budgets": {"4": {"overall": overall}}}}}))
+    (run / "eval_phase-2.json").write_text('{"models": {"mo')
+    assert ls.main(argv("2") + ["--output-dir", str(tmp_path / "runs")]) == 0
+    row = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("scalinginter            1"))
+    assert "step 2/30, held-out after phase 1 0.307, about 30.7 h of training left" in row
     (run / "summary.json").write_text("{}")
     assert ls.main(argv("2") + ["--output-dir", str(tmp_path / "runs")]) == 0
     assert "its held-out scoring and report are left" in capsys.readouterr().out
