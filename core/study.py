@@ -545,10 +545,9 @@ def piece_progress(records: Sequence[dict[str, Any]], phases: Sequence[dict], re
     limits = [int(p["turn_limit"]) for p in phases for _ in range(int(p["steps"]))]
     by_step = {int(r["global_step"]): r for r in records}
     done = [r for s, r in sorted(by_step.items()) if s <= len(limits)]
-    spent = sum(float(r.get("step_time_s") or 0.0) for r in done)
-    last = done[-max(1, recent):]
-    pace_s = sum(float(r.get("step_time_s") or 0.0) for r in last)
-    units = sum(float(r.get("turn_limit") or limits[int(r["global_step"]) - 1]) for r in last)
+    secs = [float(r.get("step_time_s") or 0.0) for r in done]
+    last = max(1, recent)
+    units = sum(float(r.get("turn_limit") or limits[int(r["global_step"]) - 1]) for r in done[-last:])
     left = sum(limits[len(done):])
-    return {"done": len(done), "total": len(limits), "spent_s": spent,
-            "left_s": pace_s / units * left if done and units else None}
+    return {"done": len(done), "total": len(limits), "spent_s": sum(secs),
+            "left_s": sum(secs[-last:]) / units * left if done and units else None}

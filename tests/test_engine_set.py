@@ -333,20 +333,19 @@ def test_toy_run_with_one_engine_killed(tmp_path, toy_policy):
 @pytest.mark.slow
 def test_toy_eval_with_its_engine_killed(tmp_path, toy_policy):
     """``scalinginter eval`` of the toy policy on one vLLM engine in its own processes, its engine-core process
-    SIGKILLed once it is up and the env servers are spawned (before or during the rollout): the evaluation's engine (no learner hooked) is replaced, the new one reloads
-    the checkpoint's folder, and the rollout runs (again); the per-task outcomes equal those of the same evaluation
-    left alone (greedy decoding, each episode seeded by its task). Left out of CI's slow tier, as the toy runs
-    with engines killed; ``tests/test_engines_plan.py`` checks the reload with a stand-in engine."""
-    import psutil
-
+    SIGKILLed once it is up and the env servers are spawned (before or during the rollout): the evaluation's engine
+    (no learner hooked) is replaced, the new one reloads the checkpoint's folder, and the rollout runs (again); the
+    per-task outcomes equal those of the same evaluation left alone (greedy decoding, each episode seeded by its
+    task). Left out of CI's slow tier, as the toy runs with engines killed; ``tests/test_engines_plan.py`` checks the
+    reload with a stand-in engine."""
     from tests.toypolicy import cli_cmd
 
     env = {**LONG_WAITS, **os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
 
     def scored(name: str, kill: bool) -> tuple[dict, str, list[int]]:
         out = tmp_path / f"{name}.json"
-        cmd = cli_cmd() + ["eval", str(toy_policy), "toy", "--n", "48", "--turn-limits", "2,4", "--max-new-tokens", "8",
-                     "--json", str(out), "--no-mlflow"] + [
+        cmd = cli_cmd() + ["eval", str(toy_policy), "toy", "--n", "48", "--turn-limits", "2,4",
+                           "--max-new-tokens", "8", "--json", str(out), "--no-mlflow"] + [
             a for x in ("rollout.backend=vllm", "rollout.vllm_in_process=false", "rollout.token_budget=512",
                         "rollout.engine_restarts=1", f"output_dir={tmp_path / name}") for a in ("--set", x)]
         p = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -355,9 +354,7 @@ def test_toy_eval_with_its_engine_killed(tmp_path, toy_policy):
             for line in p.stdout:
                 lines.append(line)
                 if kill and not killed and "env servers: " in line:  # the engine is up; the rollout is next
-                    cores = [q.pid for q in psutil.Process(p.pid).children(recursive=True)
-                             if "EngineCore" in " ".join([q.name()] + (q.cmdline() or []))]
-                    for pid in cores[:1]:
+                    for pid in _engine_core_pids(p.pid)[:1]:
                         os.kill(pid, signal.SIGKILL)
                         killed.append(pid)
             p.wait(timeout=1800)
@@ -380,6 +377,14 @@ def test_toy_eval_with_its_engine_killed(tmp_path, toy_policy):
         assert got == want, b
 
 
+def _engine_core_pids(pid: int) -> list[int]:
+    """The vLLM engine-core processes below process ``pid`` (psutil.Error when one goes while it is listed)."""
+    import psutil
+
+    return [q.pid for q in psutil.Process(pid).children(recursive=True)
+            if "EngineCore" in " ".join([q.name()] + (q.cmdline() or []))]
+
+
 def _toy_run_with_kills(tmp_path, toy_policy, name, sets, pick):
     """``scalinginter run toy --run-name NAME`` with ``sets``; every 0.2 s ``pick(steps logged, engine-core pids,
     pids killed so far)`` names an engine-core process to SIGKILL, or None. Returns the exit code, the run's output,
@@ -399,8 +404,7 @@ def _toy_run_with_kills(tmp_path, toy_policy, name, sets, pick):
         while p.poll() is None and time.time() - t0 < 1800:
             steps = len(metrics.read_text().splitlines()) if metrics.exists() else 0
             try:
-                cores = [q.pid for q in psutil.Process(p.pid).children(recursive=True)
-                         if "EngineCore" in " ".join([q.name()] + (q.cmdline() or []))]
+                cores = _engine_core_pids(p.pid)
             except psutil.Error:  # the run ended, or a child went, while it was listed
                 time.sleep(0.2)
                 continue

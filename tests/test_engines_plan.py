@@ -466,7 +466,6 @@ def test_one_dead_engine_is_replaced_and_its_rollout_runs_again():
     assert e.restarts == [0]
 
 
-
 def test_a_new_engine_gets_the_weights_the_session_loaded_from_folders(monkeypatch):
     """``VLLMBackend.restart`` with the pool's ``reload`` (``_hook_reload``): a session without a learner (an
     evaluation) has its dead engine replaced, the new one started with the same settings and given the session's

@@ -555,7 +555,7 @@ class VLLMBackend:
     def why_not_restarted(self) -> str | None:
         """None when a dead engine may be replaced now, else why not: an in-process engine, the limit
         (``rollout.engine_restarts``) reached, or nothing to give a new engine the session's weights (neither a
-        learner hooked nor an evaluation's ``reload`` from the weights' folders)."""
+        learner hooked nor a ``reload`` from the weights' folders)."""
         from core.engines import engines_to_restart
 
         if self.in_process:
