@@ -269,6 +269,14 @@ class RolloutConfig(_Strict):
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (0 = greedy).")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     gen_batch_size: int = Field(32, ge=1, description="Max sequences per generate call.")
+    kv_reuse_gib: float = Field(
+        0.0, ge=0, description="transformers backend: memory (GiB) for the keys and values of the prompts it ran, "
+                               "kept within a rollout so that a turn's prompt runs only its new tokens (the "
+                               "observation, or what follows a shared instruction) through the model instead of "
+                               "the whole conversation again; the least recently used are dropped beyond it, and "
+                               "all of them when the weights change. The same rows are sampled together either "
+                               "way; log-probs move by rounding, as they do with how a batch is padded. 0: off, "
+                               "every prompt runs whole. (vLLM keeps its own prefix cache.)")
     env_retries: int = Field(1, ge=0, description="Times an episode masked by an env failure (server died, 5xx, "
                                                   "timeout) is run again, after dead env servers are replaced.")
     async_episodes: bool = Field(

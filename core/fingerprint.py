@@ -31,6 +31,8 @@ OPERATIONAL_KEYS = frozenset({
     "algo.expert_branches",
     # what the engine hands back to the OS while the learner updates (it generates the same tokens either way)
     "rollout.vllm_release_kv", "rollout.vllm_release_weights",
+    # the transformers engine's kept keys and values: the prompt's tail run against them or the whole prompt again
+    "rollout.kv_reuse_gib",
     # where it runs: env servers' addresses, the device, the engine's GPU share and sharding, the learner's nodes
     "env.urls", "rollout.engine_urls", "rollout.engine_sync_dir", "model.device", "rollout.gpu_memory_utilization", "rollout.tensor_parallel_size", "rollout.vllm_sleep",
     "learner.nodes", "learner.node_rank", "learner.master_addr", "learner.master_port",

@@ -167,7 +167,8 @@ def open_session(cfg: RunConfig, model_dir: str, train: bool, reference_dir: str
         s.backend = rt.engines.backend_for(cfg, model_dir, s.tokenizer, s.learner, weight_store=store)
     else:
         s.backend = TransformersBackend(s.model, s.tokenizer.eos_token_id, pad, cfg.rollout.gen_batch_size,
-                                        resolve_bf16(cfg.model.bf16_autocast))
+                                        resolve_bf16(cfg.model.bf16_autocast),
+                                        kv_reuse_bytes=int(cfg.rollout.kv_reuse_gib * 2**30))
     return rt.add_session(s)
 
 
@@ -320,7 +321,14 @@ def _rollout(s: Session, urls: list[str], task_ids: list[int], samples: int, tur
             return await rollout(req, RolloutRuntime(s.backend, s.chat, make, cap, s.cfg.rollout.env_retries, heal,
                                                      on_round, s.cfg.rollout.async_episodes, expert))
 
-    trajs, stats = _run_rollout(s, go, label)
+    clear = getattr(s.backend, "clear_cache", None)  # the transformers engine's kept keys and values: this rollout's
+    if clear is not None:
+        clear()
+    try:
+        trajs, stats = _run_rollout(s, go, label)
+    finally:
+        if clear is not None:  # their memory is the learner's again
+            clear()
     metrics = {**episode_metrics(trajs), **stats.as_metrics()}
     return trajs, metrics
 

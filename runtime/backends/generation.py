@@ -208,15 +208,22 @@ class TransformersBackend:
     policy module (no copy, no sync needed)."""
 
     def __init__(self, model, eos_token_id: int, pad_token_id: int, batch_size: int = 32,
-                 bf16_autocast: bool = True):
+                 bf16_autocast: bool = True, kv_reuse_bytes: int = 0):
         self.model = model
         self.eos_token_id = int(eos_token_id)
         self.pad_token_id = int(pad_token_id)
         self.batch_size = batch_size
         self.bf16_autocast = bf16_autocast
+        self.kv = KVReuse(kv_reuse_bytes) if kv_reuse_bytes > 0 else None
 
-    def sync_weights(self) -> None:  # shares the learner's module
-        return None
+    def sync_weights(self) -> None:  # shares the learner's module: nothing to load; kept keys and values are stale
+        self.clear_cache()
+
+    def clear_cache(self) -> None:
+        """Forget the kept keys and values (a rollout starts with none, so what it samples does not depend on
+        what ran before it)."""
+        if self.kv is not None:
+            self.kv.clear()
 
     @property
     def device(self) -> torch.device:
@@ -232,7 +239,13 @@ class TransformersBackend:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         # sort by length so padding is small, then restore order
+        # (the batches do not depend on what is cached: with or without kept keys and values, the same rows are
+        # sampled together, so torch's RNG draws the same numbers for them)
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt")
+        if self.kv is not None:
+            self.kv.check_weights(self.model)
         results: dict[int, Generation] = {}
         for s in range(0, len(order), self.batch_size):
             idx = order[s:s + self.batch_size]
@@ -241,18 +254,37 @@ class TransformersBackend:
         return [results[i] for i in range(len(prompts))]
 
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("empty prompt")
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-        att = torch.zeros((len(prompts), width), dtype=torch.long)
-        for r, p in enumerate(prompts):  # left padding
-            ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            att[r, width - len(p):] = 1
+        hits = self.kv.lookup(prompts) if self.kv is not None and self._kv_usable() else None
+        cached = max((n for _, n in hits), default=0) if hits else 0
+        if cached:  # each row: its kept prefix (left-padded to the longest), then its new tokens (left-padded)
+            news = [p[n:] for p, (_, n) in zip(prompts, hits)]
+            width = cached + max(len(t) for t in news)
+            ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+            att = torch.zeros((len(prompts), width), dtype=torch.long)
+            for r, (p, (_, n), t) in enumerate(zip(prompts, hits, news)):
+                ids[r, cached - n:cached] = torch.tensor(p[:n], dtype=torch.long)
+                att[r, cached - n:cached] = 1
+                ids[r, width - len(t):] = torch.tensor(t, dtype=torch.long)
+                att[r, width - len(t):] = 1
+            past = self.kv.batch_cache(hits, cached, self.device)
+        else:
+            width = max(len(p) for p in prompts)
+            ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+            att = torch.zeros((len(prompts), width), dtype=torch.long)
+            for r, p in enumerate(prompts):  # left padding
+                ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
+                att[r, width - len(p):] = 1
+            past = None
         greedy = params.temperature <= 0
         kwargs = dict(max_new_tokens=params.max_new_tokens, do_sample=not greedy,
                       eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
                       return_dict_in_generate=True, output_logits=True)
+        if past is not None:
+            kwargs["past_key_values"] = past
+        elif self.kv is not None:
+            from transformers import DynamicCache
+
+            kwargs["past_key_values"] = DynamicCache()  # so the rows' keys and values come back to be kept
         if not greedy:
             kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=0)
         was_training = self.model.training
@@ -277,7 +309,106 @@ class TransformersBackend:
                 gens.append(Generation(toks[:end], lps[:end], "stop"))
             else:
                 gens.append(Generation(toks, lps, "length"))
+        if self.kv is not None and self._kv_usable():
+            self.kv.keep(prompts, [g.token_ids for g in gens], att, res.past_key_values, hits)
+        del res
         return gens
+
+    def _kv_usable(self) -> bool:
+        """Kept keys and values need a padding mask with holes (kept prefix | padding | new tokens), which the
+        eager and SDPA attention take; the flash and flex kernels are left to full prompts."""
+        impl = getattr(getattr(self.model, "config", None), "_attn_implementation", None) or "sdpa"
+        return impl in ("sdpa", "eager")
+
+
+class KVReuse:
+    """The transformers engine's kept keys and values: per prompt row it ran, its tokens and, per layer, its keys and
+    values (``[heads, tokens, head_dim]``), at most ``budget`` bytes (the least recently used dropped first). Kept
+    rows are only valid for the weights they were computed with: ``check_weights`` forgets them all when any
+    parameter changed (replaced, or updated in place, as an optimizer step does)."""
+
+    def __init__(self, budget: int):
+        self.budget = int(budget)
+        self.tokens: list[list[int]] = []
+        self.kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        self.sizes: list[int] = []
+        self.used: list[int] = []
+        self.calls = 0
+        self.weights: tuple | None = None
+        self.reused_tokens = 0  # tokens served from kept rows (for the tests and benchmarks)
+        self.prompt_tokens = 0
+
+    def clear(self) -> None:
+        self.tokens, self.kv, self.sizes, self.used = [], [], [], []
+
+    def check_weights(self, model) -> None:
+        now = tuple((id(p), p._version) for p in model.parameters())
+        if now != self.weights:
+            self.clear()
+            self.weights = now
+
+    def lookup(self, prompts: list[list[int]]) -> list[tuple[int | None, int]]:
+        from core.kvcache import best_cached_prefix
+
+        self.calls += 1
+        hits = [best_cached_prefix(p, self.tokens) for p in prompts]
+        for i, n in hits:
+            if i is not None:
+                self.used[i] = self.calls
+            self.reused_tokens += n
+        self.prompt_tokens += sum(len(p) for p in prompts)
+        return hits
+
+    def batch_cache(self, hits: list[tuple[int | None, int]], width: int, device):
+        """A ``DynamicCache`` of the rows' kept prefixes, right-aligned at ``width`` (zeros where masked)."""
+        from transformers import DynamicCache
+
+        some = next(self.kv[i] for i, _ in hits if i is not None)
+        layers = []
+        for li, (k0, v0) in enumerate(some):
+            k = torch.zeros((len(hits), k0.shape[0], width, k0.shape[2]), dtype=k0.dtype, device=device)
+            v = torch.zeros((len(hits), v0.shape[0], width, v0.shape[2]), dtype=v0.dtype, device=device)
+            for r, (i, n) in enumerate(hits):
+                if i is not None and n:
+                    k[r, :, width - n:] = self.kv[i][li][0][:, :n]
+                    v[r, :, width - n:] = self.kv[i][li][1][:, :n]
+            layers.append((k, v))
+        return DynamicCache(layers)
+
+    def keep(self, prompts: list[list[int]], replies: list[list[int]], att: torch.Tensor, cache,
+             hits: list[tuple[int | None, int]] | None) -> None:
+        """Keep each row's keys and values: its prompt and all of its reply but the last token (whose keys and
+        values the model has not computed). A kept row this one continued whole is replaced by it."""
+        from core.kvcache import evict_to_budget
+
+        layers = [(layer.keys, layer.values) for layer in cache.layers]
+        width = att.shape[1]
+        replaced = set()
+        for r, (p, g) in enumerate(zip(prompts, replies)):
+            pos = torch.nonzero(att[r]).squeeze(1)
+            if pos.numel() != len(p):
+                raise RuntimeError(f"kept KV row {r}: {pos.numel()} prompt positions for a prompt of {len(p)} tokens")
+            pos = torch.cat([pos, torch.arange(width, width + max(len(g) - 1, 0))]).to(layers[0][0].device)
+            kv = [(k[r].index_select(1, pos), v[r].index_select(1, pos)) for k, v in layers]
+            self.tokens.append(list(p) + list(g[:-1]))
+            self.kv.append(kv)
+            self.sizes.append(sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv))
+            self.used.append(self.calls)
+            if hits is not None:
+                i, n = hits[r]
+                if i is not None and n == len(self.tokens[i]):
+                    replaced.add(i)
+        drop = set(evict_to_budget(self.sizes, self.used, self.budget)) | replaced
+        if drop:
+            keep = [i for i in range(len(self.tokens)) if i not in drop]
+            self.tokens = [self.tokens[i] for i in keep]
+            self.kv = [self.kv[i] for i in keep]
+            self.sizes = [self.sizes[i] for i in keep]
+            self.used = [self.used[i] for i in keep]
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.sizes)
 
 
 def check_prompts(prompts: list[list[int]], params: SamplingParams, max_model_len: int, engine: str, fix: str) -> None:
