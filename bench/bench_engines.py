@@ -7,7 +7,8 @@ rollout: generated tok/s and env steps/s for N concurrent BabyAI (and SciWorld) 
   loop; envs in-process and behind a real env server over HTTP), per backend; pure generation tok/s on the same prompts; the fraction of rollout wall time the
   generator sat idle waiting for envs and episode-turns/s, per rollout mode: lock-step rounds and (vLLM) per-episode
   loops on the engine's continuous batching (--async / --lockstep: only that one; default both); a sequential
-  per-episode loop (batch 1) as the baseline. Pure generation is measured three ways: the first-turn prompts at
+  per-episode loop (batch 1) as the baseline. ``--backends`` also takes ``transformers-kv``: the transformers engine
+  keeping its prompts' keys and values across turns (``rollout.kv_reuse_gib``; each timed pass starts without them). Pure generation is measured three ways: the first-turn prompts at
   once, the same in batches of the env's live cap (SciWorld: one JVM per live episode, ``--sciworld-jvms``), and a
   replay of the rollout's own per-turn prompts (histories included, prefix cache reset) without envs; with the env
   server's CPU share over the rollout (its JVMs compete with the generator for the cores).
@@ -98,6 +99,13 @@ class _HttpEnvs:
         self.server.stop()
 
 
+def _fresh(be) -> None:
+    """Each timed pass starts without kept keys and values (the transformers engine's, when it keeps them), as a
+    rollout does: a pass must not reuse the prompts an earlier pass ran."""
+    if hasattr(be, "clear_cache"):
+        be.clear_cache()
+
+
 def _generated_tokens(be, prompts, params, max_live) -> int:
     """Generate ``prompts`` in consecutive batches of at most ``max_live`` (all at once when None): tokens made."""
     step = max_live or len(prompts)
@@ -150,7 +158,9 @@ def bench_rollout(episodes: list[int], turns: int, new_tokens: int, backends: li
                              max_model_len=2048)
         else:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-            be = TransformersBackend(model, tok.eos_token_id, tok.eos_token_id, batch_size=64, bf16_autocast=False)
+            # transformers-kv: the same engine keeping its prompts' keys and values (rollout.kv_reuse_gib=4)
+            be = TransformersBackend(model, tok.eos_token_id, tok.eos_token_id, batch_size=64, bf16_autocast=False,
+                                     kv_reuse_bytes=4 * 2**30 if name == "transformers-kv" else 0)
         start_s = time.time() - t0
         be.generate(_prompts(chat, 2), SamplingParams(4, 1.0))  # warm-up
         for env_name in env_names:
@@ -160,6 +170,7 @@ def bench_rollout(episodes: list[int], turns: int, new_tokens: int, backends: li
                 try:
                     for n in episodes:
                         prompts = _prompts(chat, n, env_name)
+                        _fresh(be)
                         t = time.time()
                         gens = be.generate(prompts, params)
                         dt = time.time() - t
@@ -169,11 +180,13 @@ def bench_rollout(episodes: list[int], turns: int, new_tokens: int, backends: li
                         pure_cap = None
                         if max_live is not None and max_live < n:
                             t = time.time()
+                            _fresh(be)
                             pure_cap = _generated_tokens(be, prompts, params, max_live) / (time.time() - t)
                         specs = [EpisodeSpec(task_id=i, group_id=i) for i in range(n)]
                         for mode in modes if hasattr(be, "request_engine") else ("lockstep",):
                             a = mode == "async"
                             env_cpu0 = http.cpu_seconds() if http is not None else None
+                            _fresh(be)
                             if http is not None:
                                 trajs, st = asyncio.run(http.run(specs, be, chat, params, turns, max_live, a))
                             else:
@@ -181,6 +194,7 @@ def bench_rollout(episodes: list[int], turns: int, new_tokens: int, backends: li
                                     specs, local_factory(env_name, ENV_OPTIONS.get(env_name, {})), be, chat, params,
                                     turns, 2048, max_live=max_live, async_episodes=a))
                             env_cpu = None if http is None else http.cpu_seconds() - env_cpu0
+                            _fresh(be)
                             replay = _replay_pure(be, trajs, params, max_live)
                             row = {"section": "rollout", "backend": name, "mode": mode, "env": env_name,
                                    "transport": transport, "episodes": n, "engine_start_s": start_s,
