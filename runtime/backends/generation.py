@@ -309,7 +309,7 @@ class TransformersBackend:
                 gens.append(Generation(toks[:end], lps[:end], "stop"))
             else:
                 gens.append(Generation(toks, lps, "length"))
-        if self.kv is not None and self._kv_usable():
+        if self.kv is not None and self._kv_usable() and getattr(res, "past_key_values", None) is not None:
             self.kv.keep(prompts, [g.token_ids for g in gens], att, res.past_key_values, hits)
         del res
         return gens
