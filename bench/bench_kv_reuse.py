@@ -1,9 +1,10 @@
 """The transformers engine with and without its kept keys and values (``rollout.kv_reuse_gib``), beside vLLM's CPU
 engine: lock-step rollout passes of multi-step BabyAI from one model (e.g. the learning study's warm start), the
-same episodes (tasks, turn limit, temperature, per-episode seeds) on each engine, one engine at a time.
+same episodes (tasks, turn limit, temperature, per-episode seeds) on each engine, one engine at a time. ENGINE@N
+runs at most N episodes at once (what a KV cache that holds N sets in a run).
 
     python bench/bench_kv_reuse.py --model runs-ms32/warm [--episodes 16] [--turns 6] [--temperature 1.0]
-                                   [--engines transformers-kv,vllm,transformers]
+                                   [--engines transformers-kv,vllm,vllm@7,transformers]
 
 Per engine: its start, the pass's wall time, generated tokens per second, episode-turns per second, prompt tokens the
 engine ran against those it was given (the kept rows' share: what transformers-kv did not run again), and the
@@ -48,7 +49,7 @@ def make_engine(name: str, path: str, eos: int, max_len: int, vllm_kv_gb: float)
                                kv_reuse_bytes=4 * 2**30 if name == "transformers-kv" else 0)
 
 
-def one_pass(be, chat, episodes: int, turns: int, temperature: float, budget: int) -> dict:
+def one_pass(be, chat, episodes: int, turns: int, temperature: float, budget: int, max_live: int | None) -> dict:
     from envs.sessions import local_factory
     from runtime.backends.generation import SamplingParams
     from runtime.rollout import EpisodeSpec, run_rollout
@@ -63,7 +64,7 @@ def one_pass(be, chat, episodes: int, turns: int, temperature: float, budget: in
     kv = getattr(be, "kv", None)
     before = (kv.reused_tokens, kv.prompt_tokens) if kv is not None else None
     trajs, st = asyncio.run(run_rollout(specs, local_factory("babyai", {"levels": MULTISTEP_LEVELS}), be, chat,
-                                        params, turns, budget, seed=1234, async_episodes=False))
+                                        params, turns, budget, seed=1234, max_live=max_live, async_episodes=False))
     row = {"wall_s": round(st.wall_time_s, 2), "generated_tokens": st.generated_tokens,
            "gen_tok_s": round(st.generated_tokens / st.wall_time_s, 1),
            "episode_turns": st.env_steps, "episode_turns_s": round(st.env_steps / st.wall_time_s, 2),
@@ -99,12 +100,13 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(a.model)
     chat = ChatFormat.from_tokenizer(tok)
     rows = []
-    for name in a.engines.split(","):
+    for spec in a.engines.split(","):
+        name, _, cap = spec.partition("@")  # ENGINE@N: at most N episodes live at once (as a KV cap sets them)
         t0 = time.time()
         be = make_engine(name, a.model, tok.eos_token_id, a.budget + 64, a.vllm_kv_gb)
         start = time.time() - t0
-        row = {"engine": name, "start_s": round(start, 1), **one_pass(be, chat, a.episodes, a.turns, a.temperature,
-                                                                       a.budget)}
+        row = {"engine": spec, "start_s": round(start, 1),
+               **one_pass(be, chat, a.episodes, a.turns, a.temperature, a.budget, int(cap) if cap else None)}
         rows.append(row)
         print(row, flush=True)
         if hasattr(be, "close"):

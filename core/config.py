@@ -270,7 +270,7 @@ class RolloutConfig(_Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     gen_batch_size: int = Field(32, ge=1, description="Max sequences per generate call.")
     kv_reuse_gib: float = Field(
-        0.0, ge=0, description="transformers backend: memory (GiB) for the keys and values of the prompts it ran, "
+        4.0, ge=0, description="transformers backend: memory (GiB) for the keys and values of the prompts it ran, "
                                "kept within a rollout so that a turn's prompt runs only its new tokens (the "
                                "observation, or what follows a shared instruction) through the model instead of "
                                "the whole conversation again; the least recently used are dropped beyond it, and "
