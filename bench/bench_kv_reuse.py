@@ -26,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from bench.bench_engines import _fresh  # noqa: E402
 from bench.bench_multistep import cpu_info, measure_matmul  # noqa: E402
 from envs.babyai.presets import MULTISTEP_LEVELS  # noqa: E402
 
@@ -58,8 +59,7 @@ def one_pass(be, chat, episodes: int, turns: int, temperature: float, budget: in
     params = SamplingParams(24, temperature)
     import torch
 
-    if hasattr(be, "clear_cache"):
-        be.clear_cache()
+    _fresh(be)
     torch.manual_seed(0)  # the transformers engine samples from torch's RNG (vLLM from the episodes' seeds)
     kv = getattr(be, "kv", None)
     before = (kv.reused_tokens, kv.prompt_tokens) if kv is not None else None

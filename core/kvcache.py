@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from core.prefix import common_prefix_len
+
 GiB = 2**30
 
 
@@ -62,15 +64,6 @@ def plan_kv_cache(episodes: int, max_seq_len: int, bytes_per_token: int, budget_
 # at a position depend only on the tokens up to it (causal attention), so any common prefix of the two can be used.
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 def best_cached_prefix(prompt: Sequence[int], cached: Sequence[Sequence[int]],
                        min_tokens: int = 1) -> tuple[int | None, int]:
     """The kept row whose tokens share the longest prefix with ``prompt``, as ``(index, tokens usable)``;
@@ -85,7 +78,7 @@ def best_cached_prefix(prompt: Sequence[int], cached: Sequence[Sequence[int]],
             break
         if not toks or not prompt or toks[0] != prompt[0]:
             continue
-        n = min(common_prefix(prompt, toks), cap)
+        n = min(common_prefix_len([prompt, toks]), cap)
         if n > best_n:
             best, best_n = i, n
     return (best, best_n) if best_n >= min_tokens else (None, 0)

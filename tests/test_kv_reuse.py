@@ -6,18 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.kvcache import best_cached_prefix, common_prefix, evict_to_budget
+from core.kvcache import best_cached_prefix, evict_to_budget
+from core.prefix import common_prefix_len
 from runtime.backends.generation import SamplingParams, TransformersBackend
 
 EOS, PAD = 1, 0
 
 
 # --- pure ---------------------------------------------------------------------------------------------------------
-def test_common_prefix():
-    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2
-    assert common_prefix([1, 2], [1, 2, 3]) == 2
-    assert common_prefix([], [1]) == 0
-    assert common_prefix([5], [4]) == 0
+def test_common_prefix_of_a_prompt_and_a_kept_row():
+    assert common_prefix_len([[1, 2, 3], [1, 2, 4]]) == 2
+    assert common_prefix_len([[1, 2], [1, 2, 3]]) == 2
+    assert common_prefix_len([[], [1]]) == 0
+    assert common_prefix_len([[5], [4]]) == 0
 
 
 def test_best_cached_prefix_takes_the_longest_shared_run_and_leaves_the_last_token():

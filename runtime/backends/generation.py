@@ -254,37 +254,26 @@ class TransformersBackend:
         return [results[i] for i in range(len(prompts))]
 
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        hits = self.kv.lookup(prompts) if self.kv is not None and self._kv_usable() else None
-        cached = max((n for _, n in hits), default=0) if hits else 0
-        if cached:  # each row: its kept prefix (left-padded to the longest), then its new tokens (left-padded)
-            news = [p[n:] for p, (_, n) in zip(prompts, hits)]
-            width = cached + max(len(t) for t in news)
-            ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-            att = torch.zeros((len(prompts), width), dtype=torch.long)
-            for r, (p, (_, n), t) in enumerate(zip(prompts, hits, news)):
-                ids[r, cached - n:cached] = torch.tensor(p[:n], dtype=torch.long)
-                att[r, cached - n:cached] = 1
-                ids[r, width - len(t):] = torch.tensor(t, dtype=torch.long)
-                att[r, width - len(t):] = 1
-            past = self.kv.batch_cache(hits, cached, self.device)
-        else:
-            width = max(len(p) for p in prompts)
-            ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-            att = torch.zeros((len(prompts), width), dtype=torch.long)
-            for r, p in enumerate(prompts):  # left padding
-                ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
-                att[r, width - len(p):] = 1
-            past = None
+        use_kv = self.kv is not None and self._kv_usable()
+        hits = self.kv.lookup(prompts) if use_kv else [(None, 0)] * len(prompts)
+        # each row: its kept prefix (right-aligned at the longest kept one), then its new tokens (left-padded); with
+        # nothing kept, the plain left-padded batch
+        cached = max(n for _, n in hits)
+        news = [p[n:] for p, (_, n) in zip(prompts, hits)]
+        width = cached + max(len(t) for t in news)
+        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        att = torch.zeros((len(prompts), width), dtype=torch.long)
+        for r, (p, (_, n), t) in enumerate(zip(prompts, hits, news)):
+            ids[r, cached - n:cached] = torch.tensor(p[:n], dtype=torch.long)
+            att[r, cached - n:cached] = 1
+            ids[r, width - len(t):] = torch.tensor(t, dtype=torch.long)
+            att[r, width - len(t):] = 1
         greedy = params.temperature <= 0
         kwargs = dict(max_new_tokens=params.max_new_tokens, do_sample=not greedy,
                       eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
                       return_dict_in_generate=True, output_logits=True)
-        if past is not None:
-            kwargs["past_key_values"] = past
-        elif self.kv is not None:
-            from transformers import DynamicCache
-
-            kwargs["past_key_values"] = DynamicCache()  # so the rows' keys and values come back to be kept
+        if use_kv:  # the kept prefixes, or an empty cache: either way the rows' keys and values come back to be kept
+            kwargs["past_key_values"] = self.kv.batch_cache(hits, cached, self.device)
         if not greedy:
             kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=0)
         was_training = self.model.training
@@ -309,7 +298,7 @@ class TransformersBackend:
                 gens.append(Generation(toks[:end], lps[:end], "stop"))
             else:
                 gens.append(Generation(toks, lps, "length"))
-        if self.kv is not None and self._kv_usable() and getattr(res, "past_key_values", None) is not None:
+        if use_kv and getattr(res, "past_key_values", None) is not None:
             self.kv.keep(prompts, [g.token_ids for g in gens], att, res.past_key_values, hits)
         del res
         return gens
@@ -321,25 +310,30 @@ class TransformersBackend:
         return impl in ("sdpa", "eager")
 
 
+@dataclass
+class _KeptRow:
+    tokens: list[int]
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys and values, [heads, tokens, head_dim]
+    size: int  # bytes
+    used: int  # the lookup call that last used it
+
+
 class KVReuse:
     """The transformers engine's kept keys and values: per prompt row it ran, its tokens and, per layer, its keys and
-    values (``[heads, tokens, head_dim]``), at most ``budget`` bytes (the least recently used dropped first). Kept
-    rows are only valid for the weights they were computed with: ``check_weights`` forgets them all when any
-    parameter changed (replaced, or updated in place, as an optimizer step does)."""
+    values, at most ``budget`` bytes (the least recently used dropped first). Kept rows are only valid for the
+    weights they were computed with: ``check_weights`` forgets them all when any parameter changed (replaced, or
+    updated in place, as an optimizer step does)."""
 
     def __init__(self, budget: int):
         self.budget = int(budget)
-        self.tokens: list[list[int]] = []
-        self.kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
-        self.sizes: list[int] = []
-        self.used: list[int] = []
+        self.rows: list[_KeptRow] = []
         self.calls = 0
         self.weights: tuple | None = None
         self.reused_tokens = 0  # tokens served from kept rows (for the tests and benchmarks)
         self.prompt_tokens = 0
 
     def clear(self) -> None:
-        self.tokens, self.kv, self.sizes, self.used = [], [], [], []
+        self.rows = []
 
     def check_weights(self, model) -> None:
         now = tuple((id(p), p._version) for p in model.parameters())
@@ -351,64 +345,57 @@ class KVReuse:
         from core.kvcache import best_cached_prefix
 
         self.calls += 1
-        hits = [best_cached_prefix(p, self.tokens) for p in prompts]
+        hits = [best_cached_prefix(p, [row.tokens for row in self.rows]) for p in prompts]
         for i, n in hits:
             if i is not None:
-                self.used[i] = self.calls
+                self.rows[i].used = self.calls
             self.reused_tokens += n
         self.prompt_tokens += sum(len(p) for p in prompts)
         return hits
 
     def batch_cache(self, hits: list[tuple[int | None, int]], width: int, device):
-        """A ``DynamicCache`` of the rows' kept prefixes, right-aligned at ``width`` (zeros where masked)."""
+        """A ``DynamicCache`` of the rows' kept prefixes, right-aligned at ``width`` (zeros where masked); an empty
+        one when nothing is kept for them."""
         from transformers import DynamicCache
 
-        some = next(self.kv[i] for i, _ in hits if i is not None)
+        if not width:
+            return DynamicCache()
+        some = next(self.rows[i].kv for i, _ in hits if i is not None)
         layers = []
         for li, (k0, v0) in enumerate(some):
             k = torch.zeros((len(hits), k0.shape[0], width, k0.shape[2]), dtype=k0.dtype, device=device)
             v = torch.zeros((len(hits), v0.shape[0], width, v0.shape[2]), dtype=v0.dtype, device=device)
             for r, (i, n) in enumerate(hits):
                 if i is not None and n:
-                    k[r, :, width - n:] = self.kv[i][li][0][:, :n]
-                    v[r, :, width - n:] = self.kv[i][li][1][:, :n]
+                    k[r, :, width - n:] = self.rows[i].kv[li][0][:, :n]
+                    v[r, :, width - n:] = self.rows[i].kv[li][1][:, :n]
             layers.append((k, v))
         return DynamicCache(layers)
 
     def keep(self, prompts: list[list[int]], replies: list[list[int]], att: torch.Tensor, cache,
-             hits: list[tuple[int | None, int]] | None) -> None:
+             hits: list[tuple[int | None, int]]) -> None:
         """Keep each row's keys and values: its prompt and all of its reply but the last token (whose keys and
         values the model has not computed). A kept row this one continued whole is replaced by it."""
         from core.kvcache import evict_to_budget
 
         layers = [(layer.keys, layer.values) for layer in cache.layers]
         width = att.shape[1]
-        replaced = set()
+        replaced = {i for i, n in hits if i is not None and n == len(self.rows[i].tokens)}
         for r, (p, g) in enumerate(zip(prompts, replies)):
             pos = torch.nonzero(att[r]).squeeze(1)
             if pos.numel() != len(p):
                 raise RuntimeError(f"kept KV row {r}: {pos.numel()} prompt positions for a prompt of {len(p)} tokens")
             pos = torch.cat([pos, torch.arange(width, width + max(len(g) - 1, 0))]).to(layers[0][0].device)
             kv = [(k[r].index_select(1, pos), v[r].index_select(1, pos)) for k, v in layers]
-            self.tokens.append(list(p) + list(g[:-1]))
-            self.kv.append(kv)
-            self.sizes.append(sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv))
-            self.used.append(self.calls)
-            if hits is not None:
-                i, n = hits[r]
-                if i is not None and n == len(self.tokens[i]):
-                    replaced.add(i)
-        drop = set(evict_to_budget(self.sizes, self.used, self.budget)) | replaced
-        if drop:
-            keep = [i for i in range(len(self.tokens)) if i not in drop]
-            self.tokens = [self.tokens[i] for i in keep]
-            self.kv = [self.kv[i] for i in keep]
-            self.sizes = [self.sizes[i] for i in keep]
-            self.used = [self.used[i] for i in keep]
+            size = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
+            self.rows.append(_KeptRow(list(p) + list(g[:-1]), kv, size, self.calls))
+        drop = replaced | set(evict_to_budget([row.size for row in self.rows], [row.used for row in self.rows],
+                                              self.budget))
+        self.rows = [row for i, row in enumerate(self.rows) if i not in drop]
 
     @property
     def bytes(self) -> int:
-        return sum(self.sizes)
+        return sum(row.size for row in self.rows)
 
 
 def check_prompts(prompts: list[list[int]], params: SamplingParams, max_model_len: int, engine: str, fix: str) -> None:
