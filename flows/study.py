@@ -127,10 +127,30 @@ def _cli() -> list[str]:
     return [sys.executable, "-m", "flows.cli"]
 
 
-def _run_logged(cmd: list[str], log: Path, label: str) -> float:
-    """Run ``cmd`` with its output in ``log``; echo our progress lines; return the wall time."""
+def _read_tally(tally: Path | None) -> float:
+    """The wall seconds a run's earlier commands spent (0 without a tally file or with a broken one)."""
+    if tally is None or not tally.exists():
+        return 0.0
+    try:
+        return float(json.loads(tally.read_text())["wall_time_s"])
+    except (ValueError, KeyError, TypeError):
+        return 0.0
+
+
+def _run_logged(cmd: list[str], log: Path, label: str, tally: Path | None = None) -> float:
+    """Run ``cmd`` with its output in ``log``; echo our progress lines; return the wall time.
+
+    With ``tally`` (a JSON file), the wall time is summed over every command given that file: the earlier
+    commands' seconds are read from it, and it is rewritten at least every 30 s of output and at the end, so a
+    piece resumed across sessions reports all its commands' time, less at most the killed command's last 30 s.
+    """
     log.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
+    prior = _read_tally(tally)
+    t0 = last = time.time()
+
+    def record() -> None:
+        if tally is not None:
+            tally.write_text(json.dumps({"wall_time_s": prior + time.time() - t0}))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log, "a", buffering=1) as fh:  # line-buffered: the log is readable while the run goes
         fh.write(f"\n$ {' '.join(cmd)}\n")
@@ -143,11 +163,15 @@ def _run_logged(cmd: list[str], log: Path, label: str) -> float:
             text = _PREFECT_PREFIX.sub("", line.rstrip())  # "12:00:00.000 | INFO    | Flow run 'x' - " + our line
             if text.startswith(PROGRESS_PREFIXES):
                 print(f"  [{label}] {text}", flush=True)
+            if time.time() - last >= 30:
+                record()
+                last = time.time()
         rc = proc.wait()
+    record()
     if rc != 0:
         tail = log.read_text(errors="replace").splitlines()[-15:]
         raise SystemExit(f"{label} failed (exit {rc}); log: {log}\n" + "\n".join(tail))
-    return time.time() - t0
+    return prior + time.time() - t0
 
 
 def preset_config(env: str, preset: str, overrides: list[str]):
@@ -180,7 +204,7 @@ def train_arm(a: argparse.Namespace, arm: str, seed: int, phases: list[dict], bu
         extra = f"; {', '.join(arm_overrides(arm))}" if arm_overrides(arm) else ""
         print(f"training {name}: turn limits {' -> '.join(str(p['turn_limit']) for p in arm_phases(phases, arm))}"
               f"{extra}", flush=True)
-        wall = _run_logged(cmd, log, name)
+        wall = _run_logged(cmd, log, name, tally=log.with_suffix(".wall.json"))  # summed over resumes
     summary = json.loads(summary_path.read_text())
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     by_step = {int(m["global_step"]): m for m in metrics}  # a resumed step logged twice keeps its last record
@@ -195,7 +219,8 @@ def train_arm(a: argparse.Namespace, arm: str, seed: int, phases: list[dict], bu
         "run_name": name, "arm": arm, "seed": seed, "final_checkpoint": summary["final_checkpoint"],
         "overrides": arm_overrides(arm),
         "mlflow_run_id": summary.get("mlflow_run_id"),
-        "wall_time_s": wall if wall is not None else summary.get("wall_time_s"),
+        "wall_time_s": wall if wall is not None else (_read_tally(log.with_suffix(".wall.json"))
+                                                      or summary.get("wall_time_s")),
         "steps": len(by_step),
         "generated_tokens": int(sum(m.get("generated_tokens", 0.0) for m in by_step.values())),
         "step_time_s": float(sum(m.get("step_time_s", 0.0) for m in by_step.values())),

@@ -447,7 +447,7 @@ def _stop_at_the_first_command(monkeypatch, ls) -> list[list[str]]:
     """The study's subprocess runner replaced: the command it is given is recorded, then ``_Stop`` is raised."""
     seen: list[list[str]] = []
 
-    def fake_run(cmd, log, label):
+    def fake_run(cmd, log, label, tally=None):
         seen.append(cmd)
         raise _Stop
 
@@ -458,6 +458,26 @@ def _stop_at_the_first_command(monkeypatch, ls) -> list[list[str]]:
 def _sets(cmd: list[str]) -> list[str]:
     """The ``--set`` values of a command line, in order."""
     return [cmd[i + 1] for i, x in enumerate(cmd) if x == "--set"]
+
+
+def test_run_logged_sums_the_wall_time_of_a_runs_commands(tmp_path):
+    """A piece resumed by a second command reports both commands' wall time: the tally file carries the first's
+    (a failed one too) into the second's."""
+    ls = _bench()
+    log, tally = tmp_path / "logs" / "r.log", tmp_path / "logs" / "r.wall.json"
+    sleep = [sys.executable, "-c", "import time; time.sleep(0.5); print('x')"]
+    first = ls._run_logged(sleep, log, "r", tally=tally)
+    assert first >= 0.5 and json.loads(tally.read_text())["wall_time_s"] == pytest.approx(first, abs=0.05)
+    with pytest.raises(SystemExit, match="r failed"):
+        ls._run_logged([sys.executable, "-c", "import time, sys; time.sleep(0.5); sys.exit(3)"], log, "r",
+                       tally=tally)
+    failed_too = json.loads(tally.read_text())["wall_time_s"]
+    assert failed_too >= first + 0.5
+    total = ls._run_logged(sleep, log, "r", tally=tally)
+    assert total >= failed_too + 0.5 and json.loads(tally.read_text())["wall_time_s"] == pytest.approx(total, abs=0.05)
+    assert ls._run_logged(sleep, log, "r") < total  # without a tally: this command's time alone
+    tally.write_text("not json")
+    assert ls._read_tally(tally) == 0.0 and ls._read_tally(None) == 0.0
 
 
 @pytest.mark.parametrize("arm", ["scalinginter", "fixed-short", "fixed-long", "scalinginter-gigpo",
