@@ -541,13 +541,13 @@ def study_status(a: argparse.Namespace, arms: list[str], argv: list[str]) -> int
     print(f"study pieces of {a.env} / {a.preset} in {results}: arms {', '.join(arms)} x seeds {seeds[0]}.."
           f"{seeds[-1]}; {len(found) - len(missing)} of {len(found)} done"
           + ("" if results.is_dir() else f" ({results} does not exist yet: no pieces)"))
-    print(f"{'arm':<20}{'seed':>5}  {'held-out':>8}  {'arithmetic':<28}report")
+    print(f"{'arm':<20}{'seed':>5}  {'held-out':>8}  {'arithmetic':<32}report")
     for (arm, seed), ps in found.items():
         if not ps:
-            print(f"{arm:<20}{seed:>5}  {'-':>8}  {'-':<28}{_in_progress(a, arm, seed, plan.phases)}")
+            print(f"{arm:<20}{seed:>5}  {'-':>8}  {'-':<32}{_in_progress(a, arm, seed, plan.phases)}")
         for p in ps:
             held = f"{p.heldout:.3f}" if p.heldout is not None else "?"
-            print(f"{arm:<20}{seed:>5}  {held:>8}  {precision_text(p.precision):<28}{p.report}")
+            print(f"{arm:<20}{seed:>5}  {held:>8}  {precision_text(p.precision):<32}{p.report}")
     twice = [(k, [p.report for p in ps]) for k, ps in found.items() if len(ps) > 1]
     for (arm, seed), names in twice:
         print(f"warning: {arm} seed {seed} is in {len(names)} reports ({', '.join(names)}): --merge takes each run "
