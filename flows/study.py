@@ -148,9 +148,11 @@ def _run_logged(cmd: list[str], log: Path, label: str, tally: Path | None = None
     prior = _read_tally(tally)
     t0 = last = time.time()
 
-    def record() -> None:
+    def record() -> None:  # atomically (temporary file, then rename): a kill mid-write keeps the last total
         if tally is not None:
-            tally.write_text(json.dumps({"wall_time_s": prior + time.time() - t0}))
+            tmp = tally.with_name(tally.name + ".tmp")
+            tmp.write_text(json.dumps({"wall_time_s": prior + time.time() - t0}))
+            os.replace(tmp, tally)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log, "a", buffering=1) as fh:  # line-buffered: the log is readable while the run goes
         fh.write(f"\n$ {' '.join(cmd)}\n")
@@ -185,6 +187,7 @@ def train_arm(a: argparse.Namespace, arm: str, seed: int, phases: list[dict], bu
     run_dir = Path(a.output_dir).resolve() / name
     summary_path = run_dir / "summary.json"
     log = Path(a.output_dir).resolve() / "logs" / f"{name}.log"
+    tally = log.with_suffix(".wall.json")  # the training commands' wall time, summed over resumes
     wall = None
     if not summary_path.exists():
         cmd = _cli() + ["run", a.env, "--preset", a.preset, "--run-name", name,
@@ -204,7 +207,7 @@ def train_arm(a: argparse.Namespace, arm: str, seed: int, phases: list[dict], bu
         extra = f"; {', '.join(arm_overrides(arm))}" if arm_overrides(arm) else ""
         print(f"training {name}: turn limits {' -> '.join(str(p['turn_limit']) for p in arm_phases(phases, arm))}"
               f"{extra}", flush=True)
-        wall = _run_logged(cmd, log, name, tally=log.with_suffix(".wall.json"))  # summed over resumes
+        wall = _run_logged(cmd, log, name, tally=tally)
     summary = json.loads(summary_path.read_text())
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     by_step = {int(m["global_step"]): m for m in metrics}  # a resumed step logged twice keeps its last record
@@ -219,8 +222,7 @@ def train_arm(a: argparse.Namespace, arm: str, seed: int, phases: list[dict], bu
         "run_name": name, "arm": arm, "seed": seed, "final_checkpoint": summary["final_checkpoint"],
         "overrides": arm_overrides(arm),
         "mlflow_run_id": summary.get("mlflow_run_id"),
-        "wall_time_s": wall if wall is not None else (_read_tally(log.with_suffix(".wall.json"))
-                                                      or summary.get("wall_time_s")),
+        "wall_time_s": wall if wall is not None else (_read_tally(tally) or summary.get("wall_time_s")),
         "steps": len(by_step),
         "generated_tokens": int(sum(m.get("generated_tokens", 0.0) for m in by_step.values())),
         "step_time_s": float(sum(m.get("step_time_s", 0.0) for m in by_step.values())),
