@@ -288,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-dir", default="runs-study", help="runs, checkpoints, MLflow store and logs")
     ap.add_argument("--experiment", default=None, help="MLflow experiment (default learning-study-<env>)")
     ap.add_argument("--results", default=str(ROOT / "bench" / "results"), help="where the JSON/PNG/table go")
+    ap.add_argument("--tag", default=None,
+                    help="a word in the reports' file names after the env, to tell studies apart in one folder: "
+                         "learning-study-ENV-TAG-ARM-sSEED-STAMP for a piece (letters, digits and '-')")
     ap.add_argument("--warmstart-demos", type=int, default=None,
                     help="first warm-start the model: behaviour cloning on N expert demos of train tasks "
                          "(scalinginter warmstart), every arm and the base row start from it")
@@ -316,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
                          "differ from one another: the report gives each seed's arithmetic); with --next: run a "
                          "piece of such a seed")
     a = ap.parse_args(argv)
+    if a.tag is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9-]*", a.tag):
+        ap.error(f"--tag {a.tag!r}: use letters, digits and '-' (it goes into file names)")
     if a.merge:
         reports = []
         for path in a.merge:
@@ -1182,7 +1187,7 @@ def table(report: dict[str, Any]) -> str:
 def write_outputs(a: argparse.Namespace, report: dict[str, Any]) -> None:
     out = Path(a.results)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"learning-study-{a.env}"
+    name = f"learning-study-{a.env}" + (f"-{a.tag}" if getattr(a, "tag", None) else "")
     arms = report.get("arms") or {}
     if not report.get("merged_from") and len(arms) == 1 and report.get("seeds") == 1:  # a piece: its arm and seed
         arm, part = next(iter(arms.items()))

@@ -410,6 +410,12 @@ def test_next_runs_the_first_missing_piece_in_the_pieces_arithmetic(tmp_path, ca
     ls.write_outputs(argparse.Namespace(results=str(out / "two"), env="babyai"), _report([0, 1]))
     (js,) = (out / "two").glob("*.json")
     assert re.match(r"learning-study-babyai-\d{8}-\d{6}\.json$", js.name)
+    ls.write_outputs(argparse.Namespace(results=str(out / "tag"), env="babyai", tag="multistep-rl"),
+                     _report([1], arms=["fixed-long"]))
+    (js,) = (out / "tag").glob("*.json")
+    assert re.match(r"learning-study-babyai-multistep-rl-fixed-long-s1-\d{8}-\d{6}\.json$", js.name)
+    with pytest.raises(SystemExit):
+        ls.main(["--tag", "../x", "--status"])
 
 
 def test_table_and_plot_show_the_buckets(tmp_path):
