@@ -1187,7 +1187,7 @@ def table(report: dict[str, Any]) -> str:
 def write_outputs(a: argparse.Namespace, report: dict[str, Any]) -> None:
     out = Path(a.results)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"learning-study-{a.env}" + (f"-{a.tag}" if getattr(a, "tag", None) else "")
+    name = f"learning-study-{a.env}" + (f"-{a.tag}" if a.tag else "")
     arms = report.get("arms") or {}
     if not report.get("merged_from") and len(arms) == 1 and report.get("seeds") == 1:  # a piece: its arm and seed
         arm, part = next(iter(arms.items()))

@@ -404,18 +404,21 @@ def test_next_runs_the_first_missing_piece_in_the_pieces_arithmetic(tmp_path, ca
     with pytest.raises(SystemExit, match=r"seed 0: its pieces started from another model \(scalinginter, a.json\)"):
         ls.next_piece(ns, ["scalinginter", "fixed-long"])
     out = tmp_path / "out"
-    ls.write_outputs(argparse.Namespace(results=str(out), env="babyai"), _report([1], arms=["scalinginter"]))
+    ls.write_outputs(argparse.Namespace(results=str(out), env="babyai", tag=None),
+                     _report([1], arms=["scalinginter"]))
     (js,) = out.glob("*.json")
     assert js.name.startswith("learning-study-babyai-scalinginter-s1-")
-    ls.write_outputs(argparse.Namespace(results=str(out / "two"), env="babyai"), _report([0, 1]))
+    ls.write_outputs(argparse.Namespace(results=str(out / "two"), env="babyai", tag=None), _report([0, 1]))
     (js,) = (out / "two").glob("*.json")
     assert re.match(r"learning-study-babyai-\d{8}-\d{6}\.json$", js.name)
     ls.write_outputs(argparse.Namespace(results=str(out / "tag"), env="babyai", tag="multistep-rl"),
                      _report([1], arms=["fixed-long"]))
     (js,) = (out / "tag").glob("*.json")
     assert re.match(r"learning-study-babyai-multistep-rl-fixed-long-s1-\d{8}-\d{6}\.json$", js.name)
-    with pytest.raises(SystemExit):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:  # a tag goes into file names: a path is refused before anything runs
         ls.main(["--tag", "../x", "--status"])
+    assert refused.value.code == 2 and "--tag '../x': use letters, digits and '-'" in capsys.readouterr().err
 
 
 def test_table_and_plot_show_the_buckets(tmp_path):
