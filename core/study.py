@@ -72,6 +72,27 @@ def arm_overrides(arm: str) -> list[str]:
     return list(_OVERRIDES.get(arm, ()))
 
 
+def shared_phases(phases: list[dict], arm: str, other: str) -> int:
+    """How many leading phases ``arm`` trains exactly as ``other`` does: the same turn limits and steps phase by
+    phase, and the same overrides (``arm_overrides``). Such phases, with one seed and one starting model, are the
+    same training (the rest of the curriculum is not read before its phase starts), so one arm's phase finals can
+    stand for the other's. Never the whole run: two arms that agree on every phase would be one arm."""
+    if arm == other or arm_overrides(arm) != arm_overrides(other):
+        return 0
+    mine, theirs = arm_phases(phases, arm), arm_phases(phases, other)
+    n = 0
+    while n < min(len(mine), len(theirs)) - 1 and mine[n] == theirs[n]:
+        n += 1
+    return n
+
+
+def phase_donors(phases: list[dict], arm: str, arms: Iterable[str] = ARMS) -> list[tuple[str, int]]:
+    """The arms whose first phases ``arm`` may take over (``shared_phases`` > 0), as ``(arm, phases)``, the most
+    phases first, then in the order of ``arms``."""
+    got = [(o, shared_phases(phases, arm, o)) for o in arms]
+    return sorted([(o, n) for o, n in got if n > 0], key=lambda x: -x[1])
+
+
 def parse_arms(text: str) -> list[str]:
     arms = [a.strip() for a in text.split(",") if a.strip()]
     if not arms:

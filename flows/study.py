@@ -29,6 +29,9 @@ show the runs side by side. The table, the JSON and the PNG go to ``--results`` 
 Each training run and evaluation is a subprocess (``scalinginter run`` / ``scalinginter eval``) whose output
 goes to a log file under ``--output-dir``; the console shows our progress lines. Re-running the same command
 resumes: finished runs are skipped (their summary exists), an unfinished one resumes from its checkpoint.
+Leading phases two arms train alike (``core.study.shared_phases``: fixed-short's phase 1 is scalinginter's) are
+trained once: the arm that runs second takes them over from the other's run in ``--output-dir`` (``share_phases``;
+``--no-shared-phases`` trains them again), and a scored run keeps those phase finals until that arm has started.
 ``--merge A.json B.json ...`` pools reports of the same study that differ in their seeds or arms (intervals,
 per-bucket results and comparisons are recomputed from the per-task outcomes the reports store): a study too long
 for one machine's session runs in pieces, an arm and a seed at a time (``--arms fixed-long --seeds 1 --first-seed
@@ -182,27 +185,39 @@ def preset_config(env: str, preset: str, overrides: list[str]):
     return build_config(env, preset, overrides)
 
 
+def run_name(a: argparse.Namespace, arm: str, seed: int) -> str:
+    return f"study-{a.env}-{arm}-s{seed}"
+
+
+def arm_sets(a: argparse.Namespace, arm: str, seed: int, phases: list[dict], budget: int) -> list[str]:
+    """The ``--set`` overrides of an arm's ``scalinginter run`` command, in the order it applies them."""
+    sets = [f"seed={seed}", f"output_dir={Path(a.output_dir).resolve()}", f"tracking.experiment={a.experiment}",
+            "eval.before=false", "eval.after=false", "eval.each_phase=true", "eval.each_phase_last=false",
+            f"eval.n={a.eval_n}", f"eval.turn_limit={budget}"]
+    sets += list(a.set)
+    # after the user's (which may set the curriculum ``phases`` came from): the arm's limits and settings win
+    sets.append(f"curriculum.phases={json.dumps(arm_phases(phases, arm))}")
+    return sets + arm_overrides(arm)
+
+
 def train_arm(a: argparse.Namespace, arm: str, seed: int, phases: list[dict], budget: int) -> dict[str, Any]:
-    name = f"study-{a.env}-{arm}-s{seed}"
+    name = run_name(a, arm, seed)
     run_dir = Path(a.output_dir).resolve() / name
     summary_path = run_dir / "summary.json"
     log = Path(a.output_dir).resolve() / "logs" / f"{name}.log"
     tally = log.with_suffix(".wall.json")  # the training commands' wall time, summed over resumes
     wall = None
+    shared = read_shared(run_dir)
     if not summary_path.exists():
-        cmd = _cli() + ["run", a.env, "--preset", a.preset, "--run-name", name,
-                        "--set", f"seed={seed}",
-                        "--set", f"output_dir={Path(a.output_dir).resolve()}",
-                        "--set", f"tracking.experiment={a.experiment}",
-                        "--set", "eval.before=false", "--set", "eval.after=false",
-                        "--set", "eval.each_phase=true", "--set", "eval.each_phase_last=false",
-                        "--set", f"eval.n={a.eval_n}",
-                        "--set", f"eval.turn_limit={budget}"]
-        for s in a.set:
-            cmd += ["--set", s]
-        # after the user's (which may set the curriculum ``phases`` came from): the arm's limits and settings win
-        cmd += ["--set", f"curriculum.phases={json.dumps(arm_phases(phases, arm))}"]
-        for s in arm_overrides(arm):
+        sets = arm_sets(a, arm, seed, phases, budget)
+        if shared is not None:
+            shared = ensure_shared(a, name, shared)
+        if shared is None and getattr(a, "share_phases", False):
+            shared = share_phases(a, arm, seed, phases, sets)
+        if shared is not None:  # its first phases' finals were made with the other arm's later turn limits
+            sets.append(f"resume.allow_changes={json.dumps(shared['allow_changes'])}")
+        cmd = _cli() + ["run", a.env, "--preset", a.preset, "--run-name", name]
+        for s in sets:
             cmd += ["--set", s]
         extra = f"; {', '.join(arm_overrides(arm))}" if arm_overrides(arm) else ""
         print(f"training {name}: turn limits {' -> '.join(str(p['turn_limit']) for p in arm_phases(phases, arm))}"
@@ -221,6 +236,9 @@ def train_arm(a: argparse.Namespace, arm: str, seed: int, phases: list[dict], bu
     return {
         "run_name": name, "arm": arm, "seed": seed, "final_checkpoint": summary["final_checkpoint"],
         "overrides": arm_overrides(arm),
+        # phases taken over from another arm's run (trained once for both): which run, how many, what they cost
+        **({"shared_phases": {k: shared[k] for k in ("from_run", "phases", "global_step", "step_time_s")}}
+           if shared is not None else {}),
         "mlflow_run_id": summary.get("mlflow_run_id"),
         "wall_time_s": wall if wall is not None else (_read_tally(tally) or summary.get("wall_time_s")),
         "steps": len(by_step),
@@ -299,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-rescore", dest="rescore", action="store_false",
                     help="skip the re-score check (default: the starting model is scored a second time on the same "
                          "tasks and the report gives the share of tasks with the same outcome)")
+    ap.add_argument("--no-shared-phases", dest="share_phases", action="store_false",
+                    help="train every arm's phases itself (default: an arm whose first phases are another arm's "
+                         "of the same seed, as fixed-short's phase 1 is scalinginter's, takes them over from that "
+                         "arm's run in --output-dir when it has their final checkpoints and scores)")
     ap.add_argument("--keep-checkpoints", action="store_true", help="keep the runs' checkpoints (default: delete "
                                                                      "them once scored; ~0.5-1.6 GB each)")
     ap.add_argument("--status", action="store_true",
@@ -402,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
             r["final_eval"] = evaluate(a, r["final_checkpoint"], r["run_name"], budgets, cfg.env.options, mnt)
             runs.append(r)
             if not a.keep_checkpoints:
-                _drop_checkpoints(Path(a.output_dir).resolve() / "checkpoints" / r["run_name"])
+                prune_checkpoints(a, phases, r["run_name"])
     report = build_report(a, arms, phases, budgets, base, runs, time.time() - t_start)
     report["start_model"] = start_model
     report["precision"] = run_precision(cfg)
@@ -664,11 +686,189 @@ def describe_start(sm: dict[str, Any] | None) -> str:
             f"NLL {losses[0]:.3f} -> {losses[-1]:.3f})")
 
 
-def _drop_checkpoints(path: Path) -> None:
+SHARED_FILE = "shared_phases.json"  # in a run's folder: the phases it took over from another arm's run
+
+
+def read_shared(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((run_dir / SHARED_FILE).read_text())
+    except FileNotFoundError:
+        return None
+
+
+def _link(src: Path, dst: Path) -> None:
+    """``dst`` as a hard link to ``src`` (a copy where the two cannot share one file system)."""
     import shutil
 
-    if path.exists():
-        shutil.rmtree(path, ignore_errors=True)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if dst.exists():
+        dst.unlink()
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _link_finals(out: Path, record: dict[str, Any], name: str) -> bool:
+    """Put the donor's phase finals named in ``record`` under this run's checkpoint folder (linked, each staged
+    beside it and renamed into place, so that a kill leaves either a whole checkpoint or none). False when the
+    donor's are gone and this run's are not all there."""
+    import shutil
+
+    from storage.checkpoint_store import checkpoint_exists
+
+    ck = out / "checkpoints"
+    for k in range(1, int(record["phases"]) + 1):
+        mine, theirs = ck / name / f"phase-{k}" / "final", ck / record["from_run"] / f"phase-{k}" / "final"
+        if checkpoint_exists(str(mine)):
+            continue
+        if not checkpoint_exists(str(theirs)):
+            return False
+        stage = ck / f".sharing-{name}-phase-{k}"
+        shutil.rmtree(stage, ignore_errors=True)
+        for f in sorted(theirs.rglob("*")):
+            if f.is_file():
+                _link(f, stage / f.relative_to(theirs))
+        shutil.rmtree(mine, ignore_errors=True)  # an incomplete one (no manifest)
+        mine.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(stage, mine)
+    return True
+
+
+def share_phases(a: argparse.Namespace, arm: str, seed: int, phases: list[dict],
+                 sets: list[str]) -> dict[str, Any] | None:
+    """Before an arm's run starts: take over the first phases it trains exactly as another arm of the same seed
+    does (``core.study.shared_phases``: ``fixed-short`` and ``scalinginter`` share phase 1), when that arm's run
+    in this output dir has their final checkpoints and held-out scores. Checked, not assumed: the donor's last
+    shared final must have been made with this run's training config but for ``curriculum.phases`` (the later
+    phases' limits), and with its evaluation settings. This run then gets the donor's phase finals (linked), its
+    ``eval_phase-K.json`` and its step records (``metrics.jsonl``, rollouts) for those phases, and
+    ``shared_phases.json`` saying so; it resumes after them. Returns that record, or None (trains on its own)."""
+    from core.fingerprint import diff, fingerprint
+    from core.records import kept_metric_lines
+    from core.study import phase_donors
+    from storage.checkpoint_store import checkpoint_exists, is_s3_uri
+    from tasks.runs import checkpoint_root, recorded_config
+
+    out = Path(a.output_dir).resolve()
+    name = run_name(a, arm, seed)
+    run_dir, donors = out / name, phase_donors(phases, arm)
+    if not donors or (run_dir / "metrics.jsonl").exists():
+        return None  # no arm trains its phases alike, or this run has started on its own: it goes on so
+    cfg = preset_config(a.env, a.preset, sets + [f"run_name={name}"])
+    root = checkpoint_root(cfg)
+    if is_s3_uri(root) or Path(root) != out / "checkpoints" / name:
+        return None  # checkpoints elsewhere (checkpoint.root): not linked from here
+    if Path(root).exists() and any(Path(root).iterdir()):
+        return None
+    mine = recorded_config(cfg)
+    for donor, n in donors:
+        dname = run_name(a, donor, seed)
+        finals = [out / "checkpoints" / dname / f"phase-{k}" / "final" for k in range(1, n + 1)]
+        evals = [out / dname / f"eval_phase-{k}.json" for k in range(1, n + 1)]
+        if not all(checkpoint_exists(str(f)) for f in finals) or not all(e.exists() for e in evals):
+            continue
+        try:
+            state = json.loads((finals[-1] / "trainer_state.json").read_text())
+            theirs = json.loads((out / dname / "config.json").read_text())
+        except (OSError, ValueError):
+            continue
+        changed = [c.key for c in diff((state.get("fingerprint") or {}).get("values") or {},
+                                       fingerprint(mine)["values"])]
+        if changed != ["curriculum.phases"] or theirs.get("eval") != mine.get("eval"):
+            why = ", ".join(changed) if changed != ["curriculum.phases"] else "the held-out evaluation settings"
+            print(f"{name}: not taking phases over from {dname}: it trained or scored with other settings ({why})",
+                  flush=True)
+            continue
+        end = int(state["global_step"])
+        records = [json.loads(x) for x in kept_metric_lines((out / dname / "metrics.jsonl").read_text().splitlines(),
+                                                             end)]
+        if sorted({int(r["global_step"]) for r in records}) != list(range(1, end + 1)):
+            continue  # its step records are not all there
+        record = {"from_run": dname, "from_arm": donor, "phases": n, "global_step": end,
+                  "step_time_s": float(sum({int(r["global_step"]): r.get("step_time_s", 0.0)
+                                            for r in records}.values())),
+                  "allow_changes": ["curriculum.phases"],
+                  "why": f"phases 1-{n} of {arm} and {donor} are the same training (the same turn limits, steps, "
+                         "seed, starting model and settings): trained once, in " + dname}
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for k in range(1, n + 1):
+            for suffix in (".json", ".parquet"):
+                src = out / dname / f"eval_phase-{k}{suffix}"
+                if src.exists():
+                    _link(src, run_dir / src.name)
+        for step in range(1, end + 1):
+            src = out / dname / "rollouts" / f"step-{step:06d}.parquet"
+            if src.exists():
+                _link(src, run_dir / "rollouts" / src.name)
+        tmp = run_dir / (SHARED_FILE + ".tmp")
+        tmp.write_text(json.dumps(record, indent=2))
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        os.replace(tmp, run_dir / SHARED_FILE)
+        if not _link_finals(out, record, name):
+            raise SystemExit(f"{name}: {dname}'s phase finals went away while they were being linked")
+        print(f"{name}: phases 1-{n} taken over from {dname} (the same {end} steps; trained once): their final "
+              f"checkpoint{'s' if n > 1 else ''}, held-out score{'s' if n > 1 else ''} and step records; it trains "
+              f"from step {end + 1}", flush=True)
+        return record
+    return None
+
+
+def ensure_shared(a: argparse.Namespace, name: str, record: dict[str, Any]) -> dict[str, Any] | None:
+    """A run that took phases over and has not finished: its phase finals must be there (a kill may have come
+    between the record and the links). Relinked from the donor if it still has them; otherwise the record is
+    dropped and the run trains those phases itself."""
+    out = Path(a.output_dir).resolve()
+    if _link_finals(out, record, name):
+        return record
+    print(f"{name}: the phases it took over from {record['from_run']} are gone; it trains them itself", flush=True)
+    (out / name / SHARED_FILE).unlink()
+    (out / name / "metrics.jsonl").unlink(missing_ok=True)
+    return None
+
+
+KEPT_FOR_SHARING = ".kept-for-sharing"  # in a scored run's checkpoint folder: its finals are kept for another arm
+
+
+def prune_checkpoints(a: argparse.Namespace, phases: list[dict], name: str) -> None:
+    """After run ``name`` is scored: delete its checkpoints, except the phase finals that an arm of the same seed,
+    not started yet, may take over (``share_phases``); those are marked, and deleted by a later call once no arm
+    is left to take them (every such arm has started: taken them over, or trained on its own)."""
+    import shutil
+
+    from core.study import shared_phases
+
+    out = Path(a.output_dir).resolve()
+    ck = out / "checkpoints"
+    pat = re.compile(rf"study-{re.escape(a.env)}-(.+)-s(\d+)")
+    targets = [ck / name] + sorted(p.parent for p in ck.glob(f"*/{KEPT_FOR_SHARING}"))
+    for d in dict.fromkeys(targets):
+        m = pat.fullmatch(d.name)
+        if not d.is_dir() or m is None or m[1] not in ARMS:
+            continue
+        arm, seed = m[1], int(m[2])
+        keep, takers = 0, []
+        if getattr(a, "share_phases", False):
+            for other in ARMS:
+                n = shared_phases(phases, other, arm)
+                odir = out / run_name(a, other, seed)
+                if n and not (odir / "metrics.jsonl").exists() and not (ck / odir.name).exists():
+                    keep, takers = max(keep, n), takers + [other]
+        for sub in sorted(d.iterdir()):
+            k = re.fullmatch(r"phase-(\d+)", sub.name)
+            if k is None or int(k[1]) > keep:
+                shutil.rmtree(sub, ignore_errors=True) if sub.is_dir() else sub.unlink()
+            else:
+                for part in sub.iterdir():
+                    if part.name != "final":
+                        shutil.rmtree(part, ignore_errors=True) if part.is_dir() else part.unlink()
+        if keep:
+            if not (d / KEPT_FOR_SHARING).exists():
+                print(f"{d.name}: phase final(s) 1-{keep} kept for {', '.join(takers)}, which may take them over "
+                      "(deleted once it has started; --no-shared-phases deletes them)", flush=True)
+            (d / KEPT_FOR_SHARING).write_text(f"phases 1-{keep}: kept for {', '.join(takers)} of seed {seed}\n")
+        else:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def task_labels(doc: dict[str, Any], budget: int | None = None, model: str = "model") -> list[int | None] | None:

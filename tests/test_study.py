@@ -509,3 +509,26 @@ def test_piece_progress_by_hand():
     assert piece_progress(slow, phases, recent=2)["left_s"] == 140.0 / 9 * 10
     assert piece_progress(slow, phases)["spent_s"] == 540.0
     assert piece_progress(recs + [{"global_step": 4, "turn_limit": 10, "step_time_s": 160.0}], phases)["left_s"] == 0
+
+
+def test_shared_phases_by_hand():
+    """fixed-short trains phase 1 as scalinginter does (and -gigpo / -fit do not: their overrides differ);
+    fixed-long shares nothing with a growing curriculum; the whole run is never shared."""
+    from core.study import phase_donors, shared_phases
+
+    assert shared_phases(PHASES, "fixed-short", "scalinginter") == 1
+    assert shared_phases(PHASES, "scalinginter", "fixed-short") == 1
+    assert shared_phases(PHASES, "fixed-short", "scalinginter-gigpo") == 0  # GiGPO: another estimator
+    assert shared_phases(PHASES, "scalinginter-fit", "scalinginter") == 0  # other tasks
+    assert shared_phases(PHASES, "fixed-long", "scalinginter") == 0
+    assert shared_phases(PHASES, "scalinginter", "scalinginter") == 0
+    flat_start = [{"turn_limit": 2, "steps": 1}, {"turn_limit": 2, "steps": 1}, {"turn_limit": 4, "steps": 1}]
+    assert shared_phases(flat_start, "fixed-short", "scalinginter") == 2  # 2, 2 then 2 vs 4
+    assert shared_phases(flat_start, "fixed-long", "scalinginter") == 0
+    same = [{"turn_limit": 2, "steps": 1}, {"turn_limit": 2, "steps": 1}]
+    assert shared_phases(same, "fixed-short", "scalinginter") == 1  # all alike: not the last phase
+    assert shared_phases([{"turn_limit": 3, "steps": 4}], "fixed-short", "scalinginter") == 0
+    assert phase_donors(PHASES, "fixed-short") == [("scalinginter", 1)]
+    assert phase_donors(PHASES, "scalinginter") == [("fixed-short", 1)]
+    assert phase_donors(PHASES, "fixed-long") == [] and phase_donors(PHASES, "scalinginter-gigpo") == []
+    assert phase_donors(flat_start, "scalinginter", ["fixed-long", "fixed-short"]) == [("fixed-short", 2)]
