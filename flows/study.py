@@ -1365,6 +1365,11 @@ def table(report: dict[str, Any]) -> str:
                 ret = " ".join(f"{k} {'-' if v is None else f'{v:.2f}'}" for k, v in h["retention"].items())
                 lines.append(f"  {arm:<20} seed {h['seed']}: {'COLLAPSED' if h['collapsed'] else 'no collapse'}; "
                              f"used {used}; repeat {rep}; retention {ret}")
+    shared = [r for r in report.get("runs") or [] if r.get("shared_phases")]
+    if shared:
+        lines.append("phases trained once for two arms: " + "; ".join(
+            f"{r['run_name']} took phases 1-{r['shared_phases']['phases']} (steps 1-{r['shared_phases']['global_step']}, "
+            f"{r['shared_phases']['step_time_s']:.0f} s) over from {r['shared_phases']['from_run']}" for r in shared))
     claims = report.get("paper_claims") or []
     if claims:
         lines.append(f"the paper's claims here (after {max(r['steps'] for r in report['arms'].values())} steps; "

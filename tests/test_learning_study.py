@@ -439,6 +439,11 @@ def test_table_and_plot_show_the_buckets(tmp_path):
     assert base_row.split()[2:4] == ["0.00", "[0.00,0.56]"]  # Wilson of 0/3
     assert "at 2 turns: all +0.062" in text  # ScalingInter - fixed-long at 2 turns: 1/16
     assert "stability diagnostics per phase" in text
+    assert "phases trained once" not in text
+    rep["runs"][1]["shared_phases"] = {"from_run": rep["runs"][0]["run_name"], "phases": 1, "global_step": 1,
+                                       "step_time_s": 12.4}
+    assert (f"phases trained once for two arms: {rep['runs'][1]['run_name']} took phases 1-1 (steps 1-1, 12 s) over "
+            f"from {rep['runs'][0]['run_name']}") in ls.table(rep)
     diag = next(line for line in text.splitlines() if line.startswith("scalinginter ") and "phase-1" in line)
     assert diag.split()[1:3] == ["phase-1", "2"] and diag.split()[6] == "0.750"  # turn limit 2; at-limit 0.75
     for name, r in (("single", rep), ("merged", ls.merge_reports([_report([0]), _report([1])]))):
@@ -757,6 +762,9 @@ def test_learning_study_multistep_toy(tmp_path, toy_policy):
     (run3,) = [r for r in rep3["runs"] if r["arm"] == "scalinginter"]
     assert all("shared_phases" not in r for r in rep3["runs"] if r["arm"] != "scalinginter")
     assert run3["shared_phases"]["from_run"] == "study-babyai-fixed-short-s0" and run3["steps"] == 2
+    (md3,) = [f.with_suffix(".md").read_text() for f in res.glob("learning-study-babyai-*.json")
+              if "scalinginter" in json.loads(f.read_text())["arms"]]
+    assert "study-babyai-scalinginter-s0 took phases 1-1 (steps 1-1" in md3 and "over from study-babyai-fixed-short-s0" in md3
     assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())  # all scored, deleted
 
 
