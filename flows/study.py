@@ -816,15 +816,15 @@ def share_phases(a: argparse.Namespace, arm: str, seed: int, phases: list[dict],
 
 def ensure_shared(a: argparse.Namespace, name: str, record: dict[str, Any]) -> dict[str, Any] | None:
     """A run that took phases over and has not finished: its phase finals must be there (a kill may have come
-    between the record and the links). Relinked from the donor if it still has them; otherwise the record is
-    dropped and the run trains those phases itself."""
+    between the record and the links). Relinked from the donor, which keeps them until this run's checkpoint
+    folder exists (``prune_checkpoints``); where neither has them, the run cannot go on and says how to start it
+    again."""
     out = Path(a.output_dir).resolve()
     if _link_finals(out, record, name):
         return record
-    print(f"{name}: the phases it took over from {record['from_run']} are gone; it trains them itself", flush=True)
-    (out / name / SHARED_FILE).unlink()
-    (out / name / "metrics.jsonl").unlink(missing_ok=True)
-    return None
+    raise SystemExit(f"{name} took phases 1-{record['phases']} over from {record['from_run']}, but neither run has "
+                     f"their final checkpoints now: delete {out / name} and {out / 'checkpoints' / name} to train "
+                     "this run from the start")
 
 
 KEPT_FOR_SHARING = ".kept-for-sharing"  # in a scored run's checkpoint folder: its finals are kept for another arm
@@ -833,7 +833,7 @@ KEPT_FOR_SHARING = ".kept-for-sharing"  # in a scored run's checkpoint folder: i
 def prune_checkpoints(a: argparse.Namespace, phases: list[dict], name: str) -> None:
     """After run ``name`` is scored: delete its checkpoints, except the phase finals that an arm of the same seed,
     not started yet, may take over (``share_phases``); those are marked, and deleted by a later call once no arm
-    is left to take them (every such arm has started: taken them over, or trained on its own)."""
+    is left to take them (every such arm has checkpoints of its own, linked or trained, or is done)."""
     import shutil
 
     from core.study import shared_phases
@@ -852,7 +852,8 @@ def prune_checkpoints(a: argparse.Namespace, phases: list[dict], name: str) -> N
             for other in ARMS:
                 n = shared_phases(phases, other, arm)
                 odir = out / run_name(a, other, seed)
-                if n and not (odir / "metrics.jsonl").exists() and not (ck / odir.name).exists():
+                # started: it has taken them over or trained on its own (its checkpoints), or is done
+                if n and not (odir / "summary.json").exists() and not (ck / odir.name).exists():
                     keep, takers = max(keep, n), takers + [other]
         for sub in sorted(d.iterdir()):
             k = re.fullmatch(r"phase-(\d+)", sub.name)

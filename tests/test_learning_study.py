@@ -607,10 +607,21 @@ def test_an_arm_takes_over_the_phases_another_arm_trained_alike(tmp_path, monkey
     with pytest.raises(_Stop):
         ls.train_arm(a, "fixed-short", 0, phases, 3)
     assert checkpoint_exists(str(final)) and _sets(seen[-1])[-1] == 'resume.allow_changes=["curriculum.phases"]'
-    # fixed-short has started: once it is scored, its checkpoints and the donor's kept final go
+    # the donor's kept final stays while fixed-short has no checkpoint folder and is not done
+    shutil.rmtree(ck / name)
+    ls.prune_checkpoints(a, phases, dname)
+    assert checkpoint_exists(str(ck / dname / "phase-1" / "final"))
+    with pytest.raises(_Stop):
+        ls.train_arm(a, "fixed-short", 0, phases, 3)
+    # fixed-short trained and scored: its checkpoints and the donor's kept final go
+    (rd / "summary.json").write_text(json.dumps({"final_checkpoint": str(ck / name / "phase-2" / "final")}))
     (tmp_path / "runs" / "evals" / f"{name}.json").write_text("{}")
     ls.prune_checkpoints(a, phases, name)
     assert not (ck / name).exists() and not (ck / dname).exists()
+    # had it not finished, it could not go on without them: said, with the way out
+    (rd / "summary.json").unlink()
+    with pytest.raises(SystemExit, match="neither run has their final checkpoints now: delete"):
+        ls.train_arm(a, "fixed-short", 0, phases, 3)
 
     # a donor whose training config differs in more than the later phases' limits is not used
     b = argparse.Namespace(**{**vars(a), "output_dir": str(tmp_path / "other")})
