@@ -534,7 +534,7 @@ def _in_progress(a: argparse.Namespace, arm: str, seed: int, phases: list[dict])
         return f"(trained in {a.output_dir}; its held-out scoring and report are left)"
     metrics = run_dir / "metrics.jsonl"
     if not metrics.exists():
-        return "(to run)"
+        return f"(to run{_may_take_over(a, arm, seed, phases)})"
     from core.records import kept_metric_lines
 
     lines = kept_metric_lines(metrics.read_text().splitlines(), sys.maxsize)  # a line cut by a kill left out
@@ -542,6 +542,22 @@ def _in_progress(a: argparse.Namespace, arm: str, seed: int, phases: list[dict])
     left = f", about {prog['left_s'] / 3600:.1f} h of training left at its pace" if prog["left_s"] is not None else ""
     return (f"(in progress in {a.output_dir}: step {prog['done']}/{prog['total']}{_phase_heldout(run_dir, phases)}"
             f"{left}; its command resumes it)")
+
+
+def _may_take_over(a: argparse.Namespace, arm: str, seed: int, phases: list[dict]) -> str:
+    """For a piece not started: the phases it may take over (``share_phases``), from a run whose finals are in
+    --output-dir; empty when none."""
+    if not getattr(a, "share_phases", False):
+        return ""
+    from core.study import phase_donors
+    from storage.checkpoint_store import checkpoint_exists
+
+    for donor, n in phase_donors(phases, arm):
+        d = run_name(a, donor, seed)
+        if all(checkpoint_exists(str(Path(a.output_dir) / "checkpoints" / d / f"phase-{k}" / "final"))
+               for k in range(1, n + 1)):
+            return f"; it may take phases 1-{n} over from {d} in {a.output_dir}"
+    return ""
 
 
 def _phase_heldout(run_dir: Path, phases: list[dict]) -> str:

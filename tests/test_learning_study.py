@@ -579,6 +579,9 @@ def test_an_arm_takes_over_the_phases_another_arm_trained_alike(tmp_path, monkey
     kept = sorted(str(p.relative_to(ck / dname)) for p in (ck / dname).iterdir())
     assert kept == [ls.KEPT_FOR_SHARING, "phase-1"] and [p.name for p in (ck / dname / "phase-1").iterdir()] == ["final"]
 
+    assert ls._in_progress(a, "fixed-short", 0, phases) == (
+        f"(to run; it may take phases 1-1 over from {dname} in {a.output_dir})")  # what --status says
+    assert ls._in_progress(a, "fixed-long", 0, phases) == "(to run)"
     seen = _stop_at_the_first_command(monkeypatch, ls)
     with pytest.raises(_Stop):
         ls.train_arm(a, "fixed-short", 0, phases, 3)
