@@ -529,7 +529,7 @@ def next_piece(a: argparse.Namespace, arms: list[str]) -> tuple[str, int] | None
 def _in_progress(a: argparse.Namespace, arm: str, seed: int, phases: list[dict]) -> str:
     """A piece without a report: how far its run in --output-dir got (``core.study.piece_progress``), if it
     started; the same command resumes it."""
-    run_dir = Path(a.output_dir) / f"study-{a.env}-{arm}-s{seed}"
+    run_dir = Path(a.output_dir) / run_name(a, arm, seed)
     if (run_dir / "summary.json").exists():
         return f"(trained in {a.output_dir}; its held-out scoring and report are left)"
     metrics = run_dir / "metrics.jsonl"
@@ -550,12 +550,10 @@ def _may_take_over(a: argparse.Namespace, arm: str, seed: int, phases: list[dict
     if not getattr(a, "share_phases", False):
         return ""
     from core.study import phase_donors
-    from storage.checkpoint_store import checkpoint_exists
 
     for donor, n in phase_donors(phases, arm):
         d = run_name(a, donor, seed)
-        if all(checkpoint_exists(str(Path(a.output_dir) / "checkpoints" / d / f"phase-{k}" / "final"))
-               for k in range(1, n + 1)):
+        if _has_finals(Path(a.output_dir), d, n):
             return f"; it may take phases 1-{n} over from {d} in {a.output_dir}"
     return ""
 
@@ -725,6 +723,18 @@ def _link(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
+def _phase_final(out: Path, run: str, k: int) -> Path:
+    """Where a study run's phase-``k`` final checkpoint lies (the study's runs keep theirs under --output-dir)."""
+    return out / "checkpoints" / run / f"phase-{k}" / "final"
+
+
+def _has_finals(out: Path, run: str, n: int) -> bool:
+    """Whether ``run`` has the complete final checkpoints of its phases 1..n."""
+    from storage.checkpoint_store import checkpoint_exists
+
+    return all(checkpoint_exists(str(_phase_final(out, run, k))) for k in range(1, n + 1))
+
+
 def _link_finals(out: Path, record: dict[str, Any], name: str) -> bool:
     """Put the donor's phase finals named in ``record`` under this run's checkpoint folder (linked, each staged
     beside it and renamed into place, so that a kill leaves either a whole checkpoint or none). False when the
@@ -735,7 +745,7 @@ def _link_finals(out: Path, record: dict[str, Any], name: str) -> bool:
 
     ck = out / "checkpoints"
     for k in range(1, int(record["phases"]) + 1):
-        mine, theirs = ck / name / f"phase-{k}" / "final", ck / record["from_run"] / f"phase-{k}" / "final"
+        mine, theirs = _phase_final(out, name, k), _phase_final(out, record["from_run"], k)
         if checkpoint_exists(str(mine)):
             continue
         if not checkpoint_exists(str(theirs)):
@@ -763,7 +773,7 @@ def share_phases(a: argparse.Namespace, arm: str, seed: int, phases: list[dict],
     from core.fingerprint import diff, fingerprint
     from core.records import kept_metric_lines
     from core.study import phase_donors
-    from storage.checkpoint_store import checkpoint_exists, is_s3_uri
+    from storage.checkpoint_store import is_s3_uri
     from tasks.runs import checkpoint_root, recorded_config
 
     out = Path(a.output_dir).resolve()
@@ -780,12 +790,11 @@ def share_phases(a: argparse.Namespace, arm: str, seed: int, phases: list[dict],
     mine = recorded_config(cfg)
     for donor, n in donors:
         dname = run_name(a, donor, seed)
-        finals = [out / "checkpoints" / dname / f"phase-{k}" / "final" for k in range(1, n + 1)]
         evals = [out / dname / f"eval_phase-{k}.json" for k in range(1, n + 1)]
-        if not all(checkpoint_exists(str(f)) for f in finals) or not all(e.exists() for e in evals):
+        if not _has_finals(out, dname, n) or not all(e.exists() for e in evals):
             continue
         try:
-            state = json.loads((finals[-1] / "trainer_state.json").read_text())
+            state = json.loads((_phase_final(out, dname, n) / "trainer_state.json").read_text())
             theirs = json.loads((out / dname / "config.json").read_text())
         except (OSError, ValueError):
             continue
@@ -852,7 +861,7 @@ def prune_checkpoints(a: argparse.Namespace, phases: list[dict], name: str) -> N
     is left to take them (every such arm has checkpoints of its own, linked or trained, or is done)."""
     import shutil
 
-    from core.study import shared_phases
+    from core.study import phase_donors
 
     out = Path(a.output_dir).resolve()
     ck = out / "checkpoints"
@@ -865,11 +874,10 @@ def prune_checkpoints(a: argparse.Namespace, phases: list[dict], name: str) -> N
         arm, seed = m[1], int(m[2])
         keep, takers = 0, []
         if getattr(a, "share_phases", False):
-            for other in ARMS:
-                n = shared_phases(phases, other, arm)
+            for other, n in phase_donors(phases, arm):  # the arms that share phases with this one, both ways
                 odir = out / run_name(a, other, seed)
                 # started: it has taken them over or trained on its own (its checkpoints), or is done
-                if n and not (odir / "summary.json").exists() and not (ck / odir.name).exists():
+                if not (odir / "summary.json").exists() and not (ck / odir.name).exists():
                     keep, takers = max(keep, n), takers + [other]
         for sub in sorted(d.iterdir()):
             k = re.fullmatch(r"phase-(\d+)", sub.name)
