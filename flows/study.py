@@ -216,6 +216,7 @@ def train_arm(a: argparse.Namespace, arm: str, seed: int, phases: list[dict], bu
             shared = share_phases(a, arm, seed, phases, sets)
         if shared is not None:  # its first phases' finals were made with the other arm's later turn limits
             sets.append(f"resume.allow_changes={json.dumps(shared['allow_changes'])}")
+            shared_to_mlflow(a, name, shared, sets)
         cmd = _cli() + ["run", a.env, "--preset", a.preset, "--run-name", name]
         for s in sets:
             cmd += ["--set", s]
@@ -850,6 +851,34 @@ def ensure_shared(a: argparse.Namespace, name: str, record: dict[str, Any]) -> d
     raise SystemExit(f"{name} took phases 1-{record['phases']} over from {record['from_run']}, but neither run has "
                      f"their final checkpoints now: delete {out / name} and {out / 'checkpoints' / name} to train "
                      "this run from the start")
+
+
+def shared_to_mlflow(a: argparse.Namespace, name: str, record: dict[str, Any], sets: list[str]) -> None:
+    """The phases a run took over, in its MLflow runs as if it had trained them: the run and one finished run per
+    taken phase (its steps' metrics from ``metrics.jsonl``, tagged with the run they were trained in), the headline
+    metrics on the run, as ``tasks.recording.StepRecorder`` logs them. The run then finds these phase runs when it
+    skips the phases (``flows.scalinginter.finished_phase`` registers their finals), and ``scalinginter compare``
+    shows its whole curve. Idempotent: a metric already logged at a step is not logged again."""
+    from tasks.recording import StepRecorder
+    from tasks.resume import PhasePlan
+    from tasks.runs import make_tracker, recorded_config
+
+    cfg = preset_config(a.env, a.preset, sets + [f"run_name={name}"])
+    records = [json.loads(x) for x in (Path(a.output_dir).resolve() / name / "metrics.jsonl").read_text().splitlines()
+               if x.strip()]
+    tracker = make_tracker(cfg)
+    parent = tracker.start_run(name, params=recorded_config(cfg), tags={"scalinginter.env": cfg.env.name})
+    for k in range(1, int(record["phases"]) + 1):
+        plan = PhasePlan.of(cfg, k)
+        rid = tracker.start_run(f"{name}/phase-{k}", params=plan.params(), parent_id=parent,
+                                tags={"scalinginter.phase": str(k), "scalinginter.shared_from": record["from_run"]})
+        for r in (r for r in records if int(r.get("phase", 0)) == k):
+            step = int(r["global_step"]) - 1  # StepRecorder logs at the 0-based global step
+            metrics = {key: v for key, v in r.items() if key not in ("global_step", "phase")}
+            tracker.log_metrics_once(rid, metrics, step=step)
+            tracker.log_metrics_once(parent, {h: metrics[h] for h in StepRecorder.HEADLINE if h in metrics}, step=step)
+        tracker.set_tag(rid, "scalinginter.final_checkpoint", plan.final_uri)
+        tracker.end_run(rid, "FINISHED")
 
 
 KEPT_FOR_SHARING = ".kept-for-sharing"  # in a scored run's checkpoint folder: its finals are kept for another arm

@@ -597,6 +597,17 @@ def test_an_arm_takes_over_the_phases_another_arm_trained_alike(tmp_path, monkey
     final = ck / name / "phase-1" / "final"
     assert checkpoint_exists(str(final)) and not (ck / name / "phase-2").exists()
     assert (final / "model.safetensors").stat().st_ino == (ck / dname / "phase-1" / "final" / "model.safetensors").stat().st_ino
+    # in MLflow as if trained: a finished phase-1 run with the step's metrics (0-based step), the headline on the run
+    from tasks.runs import make_tracker
+    tracker = make_tracker(build_config("babyai", "multistep", sets + [f"run_name={name}"]))
+    parent = tracker.find_run(name)
+    ph1 = tracker.find_run(f"{name}/phase-1", parent)
+    assert parent and ph1 and tracker.find_run(f"{name}/phase-2", parent) is None
+    run = tracker.client.get_run(ph1)
+    assert run.info.status == "FINISHED" and run.data.tags["scalinginter.shared_from"] == dname
+    assert run.data.tags["scalinginter.final_checkpoint"] == str(final)
+    assert [(m.step, m.value) for m in tracker.client.get_metric_history(ph1, "step_time_s")] == [(0, 10.0)]
+    assert [(m.step, m.value) for m in tracker.client.get_metric_history(parent, "success_rate")] == [(0, 0.25)]
     # the run's own resume check on that final, as flows.scalinginter makes it: allowed, and refused without
     cfg = build_config("babyai", "multistep", sets + [f"run_name={name}"])
     state = json.loads((final / "trainer_state.json").read_text())
@@ -610,6 +621,8 @@ def test_an_arm_takes_over_the_phases_another_arm_trained_alike(tmp_path, monkey
     with pytest.raises(_Stop):
         ls.train_arm(a, "fixed-short", 0, phases, 3)
     assert checkpoint_exists(str(final)) and _sets(seen[-1])[-1] == 'resume.allow_changes=["curriculum.phases"]'
+    tracker = make_tracker(build_config("babyai", "multistep", sets + [f"run_name={name}"]))  # logged once only
+    assert len(tracker.client.get_metric_history(ph1, "step_time_s")) == 1 and tracker.find_run(name) == parent
     # the donor's kept final stays while fixed-short has no checkpoint folder and is not done
     shutil.rmtree(ck / name)
     ls.prune_checkpoints(a, phases, dname)
@@ -780,6 +793,18 @@ def test_learning_study_multistep_toy(tmp_path, toy_policy):
               if "scalinginter" in json.loads(f.read_text())["arms"]]
     assert "study-babyai-scalinginter-s0 took phases 1-1 (steps 1-1" in md3 and "over from study-babyai-fixed-short-s0" in md3
     assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())  # all scored, deleted
+    # in MLflow its taken phase is its own: a finished phase-1 run with fixed-short's step, the whole headline curve
+    # on the run, and the phase-1 final registered under its name (as the run's skipped phase registers it)
+    from storage.tracking import Tracker, default_tracking_uri, registered_model_name
+    tracker, taker = Tracker(default_tracking_uri(out), "learning-study-babyai"), "study-babyai-scalinginter-s0"
+    parent = tracker.find_run(taker)
+    ph1 = tracker.client.get_run(tracker.find_run(f"{taker}/phase-1", parent))
+    assert ph1.info.status == "FINISHED" and ph1.data.tags["scalinginter.shared_from"] == "study-babyai-fixed-short-s0"
+    assert [m.step for m in tracker.client.get_metric_history(ph1.info.run_id, "train/loss")] == [0]
+    assert sorted(m.step for m in tracker.client.get_metric_history(parent, "success_rate")) == [0, 1]
+    versions = tracker.client.search_model_versions(f"name='{registered_model_name('babyai')}'")
+    assert {(v.tags["run_name"], v.tags["phase"]) for v in versions if v.tags.get("run_name") == taker} == {
+        (taker, "1"), (taker, "2")}
 
 
 def _step_records(run: Path) -> dict[int, dict]:
