@@ -302,6 +302,26 @@ def retention(base: list[float], final: list[float], labels: list[int | None] | 
     return out
 
 
+def heldout_churn(points: Sequence[tuple[int, Sequence[float]]]) -> dict[str, Any]:
+    """How steadily a run moved on its held-out tasks: ``points`` are its held-out per-task scores in step order
+    (the start at step 0, each phase final, the final), all on the same tasks at the same turn limit. Per pair of
+    consecutive points: the tasks it lost (solved before, not after), gained, and the change in the rate; then the
+    largest drop in the rate between two consecutive points (0 where it never fell) and the tasks lost in all.
+    A run that ends where another does may have got there steadily or by losing and regaining many tasks."""
+    steps = []
+    for (s0, a), (s1, b) in zip(points, points[1:]):
+        if len(a) != len(b):
+            raise ValueError(f"{len(a)} and {len(b)} task scores at steps {s0} and {s1}: not the same tasks")
+        if not a:
+            raise ValueError("no task scores")
+        steps.append({"from_step": int(s0), "to_step": int(s1),
+                      "lost": sum(1 for x, y in zip(a, b) if x > 0 and not y > 0),
+                      "gained": sum(1 for x, y in zip(a, b) if not x > 0 and y > 0),
+                      "change": (sum(b) - sum(a)) / len(a)})
+    return {"transitions": steps, "largest_drop": max([0.0] + [-t["change"] for t in steps]) if steps else None,
+            "lost": sum(t["lost"] for t in steps)}
+
+
 # --- the paper's claims, side by side with a study's results ---------------------------------------------------
 PLATEAU_TOLERANCE = 0.02  # a last phase that adds less held-out success than this (about 3 tasks in 140) is flat
 

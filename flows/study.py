@@ -96,6 +96,7 @@ from core.study import (  # noqa: E402
     comparison_pairs,
     curve_over_seeds,
     finite_number,
+    heldout_churn,
     mean_of_dicts,
     merged_precision,
     other_arithmetic,
@@ -991,7 +992,7 @@ def build_report(a: argparse.Namespace, arms: list[str], phases: list[dict], bud
                 [{int(x["global_step"]): v for x in r["step_records"] if (v := finite_number(x.get(key))) is not None}
                  for r in rs]))},
         }
-        out["per_seed"] = run_health(rs, per_seed, base_s, labels)
+        out["per_seed"] = run_health(rs, per_seed, base_s, labels, big)
         if labels:
             out["buckets"] = {str(b): bucket_stats(by_budget[str(b)], labels, base_by_budget[str(b)])
                               for b in budgets}
@@ -1027,10 +1028,11 @@ def build_report(a: argparse.Namespace, arms: list[str], phases: list[dict], bud
 
 
 def run_health(rs: list[dict[str, Any]], per_seed: list[list[float]], base_s: list[float],
-               labels: list[int | None] | None) -> list[dict[str, Any]]:
+               labels: list[int | None] | None, big: int) -> list[dict[str, Any]]:
     """Per run (seed) of an arm: whether it collapsed (``core.study.collapse_check`` on its train success and
     entropy per step), its horizon use per phase (turns used / limit, episodes ending at the limit, repeated
-    actions), and its retention of what the starting model solved (overall and per required-turns bucket)."""
+    actions), its retention of what the starting model solved (overall and per required-turns bucket), and the
+    tasks it lost and gained between its held-out points (``run_churn``)."""
     out = []
     for r, final in zip(rs, per_seed):
         recs = sorted(r.get("step_records") or [], key=lambda x: int(x["global_step"]))
@@ -1038,8 +1040,19 @@ def run_health(rs: list[dict[str, Any]], per_seed: list[list[float]], base_s: li
         ent = [float(x["train/entropy"]) for x in recs if finite_number(x.get("train/entropy")) is not None]
         phases = phase_means(recs, ("diag/turns_used_frac", "diag/turn_limit_frac", "diag/repeated_action_rate"))
         out.append({"seed": r.get("seed"), "run": r.get("run_name"), **collapse_check(succ, ent),
-                    "horizon": phases, "retention": retention(base_s, final, labels)})
+                    "horizon": phases, "retention": retention(base_s, final, labels),
+                    "heldout_churn": run_churn(r, final, base_s, big)})
     return out
+
+
+def run_churn(r: dict[str, Any], final: list[float], base_s: list[float], big: int) -> dict[str, Any]:
+    """``core.study.heldout_churn`` of a run at the largest budget: the starting model's scores (step 0), each
+    phase final's (``heldout_by_step``, scored at that budget) and the final checkpoint's."""
+    points = [(0, base_s)]
+    for step, e in sorted((r.get("heldout_by_step") or {}).items(), key=lambda x: int(x[0])):
+        if str(big) in e["models"]["model"]["budgets"] and 0 < int(step) < int(r["steps"]):
+            points.append((int(step), per_task_success(e, big)))
+    return heldout_churn(points + [(int(r["steps"]), final)])
 
 
 def seed_level_intervals(arms_out: dict[str, Any]) -> None:
@@ -1289,6 +1302,14 @@ def merge_reports(reports: list[dict[str, Any]], allow_mixed_precision: bool = F
             rescores.append(r["rescore"])
     if rescores:
         report["rescore"] = rescores[0] if len(rescores) == 1 else {"parts": rescores}
+    for r in reports:  # pieces reported before the held-out churn was: computed from what they carry
+        big = max(map(int, r["budgets"]))
+        base_s = (r["base"].get("per_task_by_budget") or {}).get(str(big))
+        for arm, ar in r["arms"].items():
+            runs_of = {x["run_name"]: x for x in r.get("runs") or [] if x.get("arm") == arm}
+            for h, final in zip(ar.get("per_seed") or [], ar.get("per_seed_per_task") or []):
+                if "heldout_churn" not in h and base_s and h.get("run") in runs_of:
+                    h["heldout_churn"] = run_churn(runs_of[h["run"]], final, base_s, big)
     for arm, out in arms_out.items():
         health = sorted((h for r in reports if arm in r["arms"] for h in r["arms"][arm].get("per_seed") or []),
                         key=lambda h: (h.get("seed") is None, h.get("seed") or 0))
@@ -1410,15 +1431,20 @@ def table(report: dict[str, Any]) -> str:
                 lines.append(f"{name:<20}" + "".join(f"{_rate(cells.get(k)):>18}" for k in sizes))
     if any(r.get("per_seed") for r in report["arms"].values()):
         lines.append(f"per run: collapse ({report.get('collapse_rule', COLLAPSE_RULE)}); turns used / limit per "
-                     "phase; retention = share of the tasks the starting model solved that the run still solves")
+                     "phase; retention = share of the tasks the starting model solved that the run still solves; "
+                     "held-out lost/gained = tasks lost and gained from each held-out point to the next (start, "
+                     "phase finals, final)")
         for arm, r in report["arms"].items():
             for h in r.get("per_seed") or []:
                 used = " ".join(f"{v.get('diag/turns_used_frac', float('nan')):.2f}" for v in h["horizon"].values())
                 rep = " ".join(f"{v.get('diag/repeated_action_rate', float('nan')):.2f}"
                                for v in h["horizon"].values())
                 ret = " ".join(f"{k} {'-' if v is None else f'{v:.2f}'}" for k, v in h["retention"].items())
+                churn = h.get("heldout_churn") or {}
+                path = (f"; held-out lost/gained {' '.join(f'''{t['lost']}/{t['gained']}''' for t in churn['transitions'])}"
+                        f" (largest drop {churn['largest_drop']:.3f})" if churn.get("transitions") else "")
                 lines.append(f"  {arm:<20} seed {h['seed']}: {'COLLAPSED' if h['collapsed'] else 'no collapse'}; "
-                             f"used {used}; repeat {rep}; retention {ret}")
+                             f"used {used}; repeat {rep}; retention {ret}{path}")
     shared = [r for r in report.get("runs") or [] if r.get("shared_phases")]
     if shared:
         lines.append("phases trained once for two arms: " + "; ".join(

@@ -867,12 +867,26 @@ def test_report_gives_seed_level_intervals_and_per_run_health():
     assert h0["horizon"] == {"phase-1": {"diag/turn_limit_frac": 1.0}, "phase-2": {"diag/turn_limit_frac": 0.5}}
     assert h0["retention"]["all"] == 1.0 and h1["retention"]["all"] == 0.0 and h0["retention"]["2-3"] == 1.0
     assert "collapse_rule" in rep
+    # held-out path (base -> phase 1 -> final at 4 turns): seed 0 lost task 3 and gained task 0, then gained 1-3;
+    # seed 1 lost task 7 (-1/8), then lost 3 and gained 0, 1, 4, 5
+    c0, c1 = h0["heldout_churn"], h1["heldout_churn"]
+    assert [(t["from_step"], t["to_step"], t["lost"], t["gained"]) for t in c0["transitions"]] == [(0, 1, 1, 1),
+                                                                                                  (1, 2, 0, 3)]
+    assert c0["largest_drop"] == 0.0 and c0["lost"] == 1
+    assert [(t["lost"], t["gained"]) for t in c1["transitions"]] == [(1, 0), (1, 4)]
+    assert c1["largest_drop"] == 0.125 and c1["lost"] == 2
     ls = _bench()
     text = ls.table(rep)
     assert "CI seeds x tasks" in text and "no collapse" in text and "retention all 1.00" in text
-    merged = ls.merge_reports([_report([0]), _report([1])])
+    assert "held-out lost/gained 1/1 0/3 (largest drop 0.000)" in text
+    older = _report([0])  # a piece reported before the churn was: the merge computes it from the piece's runs
+    for a in older["arms"].values():
+        for h in a["per_seed"]:
+            del h["heldout_churn"]
+    merged = ls.merge_reports([older, _report([1])])
     assert merged["arms"]["scalinginter"]["ci95_seed_task"] == si["ci95_seed_task"]
     assert [h["seed"] for h in merged["arms"]["scalinginter"]["per_seed"]] == [0, 1]
+    assert [h["heldout_churn"] for h in merged["arms"]["scalinginter"]["per_seed"]] == [c0, c1]
 
 
 def test_the_study_evaluates_lock_step_and_reports_the_rescore(tmp_path, monkeypatch):

@@ -288,6 +288,22 @@ def test_retention_counts_what_the_start_solved():
     assert retention(base, final) == {"all": 0.5}
 
 
+def test_heldout_churn_counts_losses_and_gains_between_held_out_points():
+    from core.study import heldout_churn
+
+    start, p1, p2, final = [1, 0, 0, 1, 0], [1, 1, 1, 1, 0], [0, 0, 1, 0, 0], [0, 1, 1, 0, 1]
+    c = heldout_churn([(0, start), (12, p1), (24, p2), (36, final)])
+    assert [(t["from_step"], t["to_step"], t["lost"], t["gained"]) for t in c["transitions"]] == [
+        (0, 12, 0, 2), (12, 24, 3, 0), (24, 36, 0, 2)]
+    assert [round(t["change"], 12) for t in c["transitions"]] == [0.4, -0.6, 0.4]
+    assert abs(c["largest_drop"] - 0.6) < 1e-12 and c["lost"] == 3
+    steady = heldout_churn([(0, [0, 0]), (5, [1, 0]), (9, [1, 1])])
+    assert steady["largest_drop"] == 0.0 and steady["lost"] == 0  # never fell: no drop, nothing lost
+    assert heldout_churn([(0, [1.0, 0.0])]) == {"transitions": [], "largest_drop": None, "lost": 0}
+    with pytest.raises(ValueError, match="not the same tasks"):
+        heldout_churn([(0, [1, 0]), (3, [1])])
+
+
 def test_every_arm_is_explained_in_the_commands_help():
     import subprocess
     import sys
