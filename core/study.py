@@ -322,6 +322,17 @@ def heldout_churn(points: Sequence[tuple[int, Sequence[float]]]) -> dict[str, An
             "lost": sum(t["lost"] for t in steps)}
 
 
+def capped_share(successes: Sequence[Sequence[float | None]], turns: Sequence[Sequence[int]], limit: int) -> float:
+    """The share of a held-out evaluation's episodes that failed at the turn limit (ran out of turns rather than
+    ending in success or an error before it): per task its samples' outcomes (None: masked, left out) and turns."""
+    if len(successes) != len(turns):
+        raise ValueError(f"{len(successes)} tasks' outcomes and {len(turns)} tasks' turns")
+    pairs = [(s, t) for ss, ts in zip(successes, turns) for s, t in zip(ss, ts) if s is not None]
+    if not pairs:
+        raise ValueError("no scored episode")
+    return sum(1 for s, t in pairs if not s > 0 and t >= limit) / len(pairs)
+
+
 # --- the paper's claims, side by side with a study's results ---------------------------------------------------
 PLATEAU_TOLERANCE = 0.02  # a last phase that adds less held-out success than this (about 3 tasks in 140) is flat
 

@@ -92,6 +92,7 @@ from core.study import (  # noqa: E402
     bucket_rates,
     blocked_seeds,
     bucket_stats,
+    capped_share,
     collapse_check,
     comparison_pairs,
     curve_over_seeds,
@@ -992,7 +993,7 @@ def build_report(a: argparse.Namespace, arms: list[str], phases: list[dict], bud
                 [{int(x["global_step"]): v for x in r["step_records"] if (v := finite_number(x.get(key))) is not None}
                  for r in rs]))},
         }
-        out["per_seed"] = run_health(rs, per_seed, base_s, labels, big)
+        out["per_seed"] = run_health(rs, per_seed, base_s, labels, big, base)
         if labels:
             out["buckets"] = {str(b): bucket_stats(by_budget[str(b)], labels, base_by_budget[str(b)])
                               for b in budgets}
@@ -1028,11 +1029,14 @@ def build_report(a: argparse.Namespace, arms: list[str], phases: list[dict], bud
 
 
 def run_health(rs: list[dict[str, Any]], per_seed: list[list[float]], base_s: list[float],
-               labels: list[int | None] | None, big: int) -> list[dict[str, Any]]:
+               labels: list[int | None] | None, big: int, base_doc: dict[str, Any] | None = None
+               ) -> list[dict[str, Any]]:
     """Per run (seed) of an arm: whether it collapsed (``core.study.collapse_check`` on its train success and
     entropy per step), its horizon use per phase (turns used / limit, episodes ending at the limit, repeated
-    actions), its retention of what the starting model solved (overall and per required-turns bucket), and the
-    tasks it lost and gained between its held-out points (``run_churn``)."""
+    actions), its retention of what the starting model solved (overall and per required-turns bucket), the
+    tasks it lost and gained between its held-out points (``run_churn``), and at each held-out point the share of
+    episodes that failed at the turn limit (``heldout_at_cap``: greedy episodes pinned at the cap, which the
+    sampled training episodes may not show)."""
     out = []
     for r, final in zip(rs, per_seed):
         recs = sorted(r.get("step_records") or [], key=lambda x: int(x["global_step"]))
@@ -1041,8 +1045,26 @@ def run_health(rs: list[dict[str, Any]], per_seed: list[list[float]], base_s: li
         phases = phase_means(recs, ("diag/turns_used_frac", "diag/turn_limit_frac", "diag/repeated_action_rate"))
         out.append({"seed": r.get("seed"), "run": r.get("run_name"), **collapse_check(succ, ent),
                     "horizon": phases, "retention": retention(base_s, final, labels),
-                    "heldout_churn": run_churn(r, final, base_s, big)})
+                    "heldout_churn": run_churn(r, final, base_s, big),
+                    "heldout_at_cap": run_at_cap(r, big, base_doc)})
     return out
+
+
+def _at_cap(doc: dict[str, Any], budget: int) -> float | None:
+    """``core.study.capped_share`` of an evaluation document at one budget (None where it has no such budget)."""
+    cell = doc["models"]["model"]["budgets"].get(str(budget))
+    if cell is None:
+        return None
+    return capped_share([t["successes"] for t in cell["per_task"]], [t["turns"] for t in cell["per_task"]],
+                        int(cell.get("turn_limit", budget)))
+
+
+def run_at_cap(r: dict[str, Any], big: int, base_doc: dict[str, Any] | None) -> dict[str, float]:
+    """Per held-out point of a run (step 0: the starting model, each phase final, the final checkpoint), the share
+    of its episodes at the largest budget that failed at the turn limit."""
+    docs = [(0, base_doc)] + sorted(((int(s), e) for s, e in (r.get("heldout_by_step") or {}).items()),
+                                    key=lambda x: x[0]) + [(int(r["steps"]), r.get("final_eval"))]
+    return {str(s): v for s, d in docs if d is not None and (v := _at_cap(d, big)) is not None}
 
 
 def run_churn(r: dict[str, Any], final: list[float], base_s: list[float], big: int) -> dict[str, Any]:
@@ -1433,7 +1455,8 @@ def table(report: dict[str, Any]) -> str:
         lines.append(f"per run: collapse ({report.get('collapse_rule', COLLAPSE_RULE)}); turns used / limit per "
                      "phase; retention = share of the tasks the starting model solved that the run still solves; "
                      "held-out lost/gained = tasks lost and gained from each held-out point to the next (start, "
-                     "phase finals, final)")
+                     "phase finals, final); held-out failed at the cap = share of those points' episodes that "
+                     "failed at the turn limit")
         for arm, r in report["arms"].items():
             for h in r.get("per_seed") or []:
                 used = " ".join(f"{v.get('diag/turns_used_frac', float('nan')):.2f}" for v in h["horizon"].values())
@@ -1443,6 +1466,9 @@ def table(report: dict[str, Any]) -> str:
                 churn = h.get("heldout_churn") or {}
                 path = (f"; held-out lost/gained {' '.join(f'''{t['lost']}/{t['gained']}''' for t in churn['transitions'])}"
                         f" (largest drop {churn['largest_drop']:.3f})" if churn.get("transitions") else "")
+                cap = h.get("heldout_at_cap") or {}
+                path += (f"; held-out failed at the cap {' '.join(f'{v:.2f}' for _, v in sorted(cap.items(), key=lambda x: int(x[0])))}"
+                         if cap else "")
                 lines.append(f"  {arm:<20} seed {h['seed']}: {'COLLAPSED' if h['collapsed'] else 'no collapse'}; "
                              f"used {used}; repeat {rep}; retention {ret}{path}")
     shared = [r for r in report.get("runs") or [] if r.get("shared_phases")]

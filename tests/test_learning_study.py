@@ -875,10 +875,12 @@ def test_report_gives_seed_level_intervals_and_per_run_health():
     assert c0["largest_drop"] == 0.0 and c0["lost"] == 1
     assert [(t["lost"], t["gained"]) for t in c1["transitions"]] == [(1, 0), (1, 4)]
     assert c1["largest_drop"] == 0.125 and c1["lost"] == 2
+    # episodes failed at the cap (every synthetic episode takes the whole budget): base 6/8, phase 1 6/8, final 3/8
+    assert h0["heldout_at_cap"] == {"0": 0.75, "1": 0.75, "2": 0.375}
     ls = _bench()
     text = ls.table(rep)
     assert "CI seeds x tasks" in text and "no collapse" in text and "retention all 1.00" in text
-    assert "held-out lost/gained 1/1 0/3 (largest drop 0.000)" in text
+    assert "held-out lost/gained 1/1 0/3 (largest drop 0.000); held-out failed at the cap 0.75 0.75 0.38" in text
     older = _report([0])  # a piece reported before the churn was: the merge computes it from the piece's runs
     for a in older["arms"].values():
         for h in a["per_seed"]:

@@ -304,6 +304,17 @@ def test_heldout_churn_counts_losses_and_gains_between_held_out_points():
         heldout_churn([(0, [1, 0]), (3, [1])])
 
 
+def test_capped_share_counts_failures_at_the_turn_limit():
+    from core.study import capped_share
+
+    # task 0: solved at the limit (not capped); task 1: failed at the limit; task 2: failed early (an error or
+    # invalid end); task 3: two samples, one failed at the limit, one masked (left out)
+    assert capped_share([[1], [0], [0], [0, None]], [[10], [10], [4], [10, 10]], 10) == 2 / 4
+    assert capped_share([[0]], [[3]], 3) == 1.0 and capped_share([[0]], [[2]], 3) == 0.0
+    with pytest.raises(ValueError, match="no scored episode"):
+        capped_share([[None]], [[3]], 3)
+
+
 def test_every_arm_is_explained_in_the_commands_help():
     import subprocess
     import sys
