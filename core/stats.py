@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 from scipy.stats import binomtest
@@ -132,6 +132,34 @@ def seed_task_bootstrap(per_seed: Sequence[Sequence[float]], confidence: float =
     for b in range(resamples):
         rows = rng.integers(0, S, size=S)
         cols = rng.integers(0, T, size=T)
+        means[b] = x[np.ix_(rows, cols)].mean()
+    a = (1 - confidence) / 2
+    return float(x.mean()), float(np.quantile(means, a)), float(np.quantile(means, 1 - a))
+
+
+def seed_cluster_bootstrap(per_seed: Sequence[Sequence[float]], clusters: Sequence[Any], confidence: float = 0.95,
+                           resamples: int = 4000, seed: int = 0) -> tuple[float, float, float]:
+    """``seed_task_bootstrap`` with the tasks drawn in clusters (``clusters[t]``: task ``t``'s cluster, e.g. its
+    env level): each replicate draws the seeds with replacement and, independently, as many whole clusters as there
+    are, with replacement, and averages the crossed cells of the drawn clusters' tasks. Where the tasks of a
+    cluster succeed or fail together (a policy's one strategy for a level), they count as one draw, not as many:
+    the interval then speaks for other tasks of other clusters like these, not only for more tasks of these.
+    Returns (mean, low, high); an empty table gives nans."""
+    _check_confidence(confidence)
+    x = np.asarray(per_seed, dtype=float)
+    if x.size == 0:
+        return math.nan, math.nan, math.nan
+    if x.ndim != 2:
+        raise ValueError("per_seed must be a table: one row of per-task values per seed, all of one length")
+    S, T = x.shape
+    if len(clusters) != T:
+        raise ValueError(f"{len(clusters)} cluster labels for {T} tasks")
+    groups = [np.array([t for t in range(T) if clusters[t] == c]) for c in dict.fromkeys(clusters)]
+    rng = np.random.default_rng(seed)
+    means = np.empty(resamples)
+    for b in range(resamples):
+        rows = rng.integers(0, S, size=S)
+        cols = np.concatenate([groups[k] for k in rng.integers(0, len(groups), size=len(groups))])
         means[b] = x[np.ix_(rows, cols)].mean()
     a = (1 - confidence) / 2
     return float(x.mean()), float(np.quantile(means, a)), float(np.quantile(means, 1 - a))

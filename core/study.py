@@ -354,7 +354,10 @@ def _separation(c: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
     kind = "seeds x tasks" if c.get("ci95_seed_task") else "tasks"
     lo, hi = c.get("ci95_seed_task") or c["ci95"]
     verdict = "appears" if lo > 0 else "reversed" if hi < 0 else "not separated"
-    return verdict, {"diff": c["diff"], "ci95": [lo, hi], "interval": kind}
+    measured = {"diff": c["diff"], "ci95": [lo, hi], "interval": kind}
+    if c.get("ci95_seed_category"):  # whole categories drawn: wider where a level's tasks move together
+        measured["ci95_seed_category"] = c["ci95_seed_category"]
+    return verdict, measured
 
 
 def paper_claims(arms: dict[str, Any], comparisons: dict[str, Any]) -> list[dict[str, Any]]:

@@ -1020,8 +1020,11 @@ def build_report(a: argparse.Namespace, arms: list[str], phases: list[dict], bud
               "budgets": budgets, "experiment": a.experiment, "machine": _machine(), "task_ids": task_ids}
     if labels:
         report["task_required_turns"] = labels
-    seed_level_intervals(arms_out)
-    report.update({"base": base_out, "arms": arms_out, "comparisons": arm_comparisons(arms_out, labels),
+    categories = task_categories(base)
+    if categories:
+        report["task_categories"] = categories
+    seed_level_intervals(arms_out, categories)
+    report.update({"base": base_out, "arms": arms_out, "comparisons": arm_comparisons(arms_out, labels, categories),
                    "wall_time_s": wall, "runs": [{k: v for k, v in r.items() if k != "final_eval"} for r in runs],
                    "collapse_rule": COLLAPSE_RULE})
     report["paper_claims"] = paper_claims(arms_out, report["comparisons"])
@@ -1077,17 +1080,45 @@ def run_churn(r: dict[str, Any], final: list[float], base_s: list[float], big: i
     return heldout_churn(points + [(int(r["steps"]), final)])
 
 
-def seed_level_intervals(arms_out: dict[str, Any]) -> None:
+def seed_level_intervals(arms_out: dict[str, Any], categories: list[str] | None = None) -> None:
     """Each arm's pooled held-out success gets ``ci95_seed_task``: the interval of a bootstrap over seeds and tasks
     (``core.stats.seed_task_bootstrap``), beside the Wilson interval over all episodes (``ci95``), which counts
-    seeds x tasks as independent episodes and so leaves the seed-to-seed variation out."""
-    from core.stats import seed_task_bootstrap
+    seeds x tasks as independent episodes and so leaves the seed-to-seed variation out; and with the tasks'
+    categories (BabyAI: their levels), ``ci95_seed_category``, a bootstrap over seeds and whole categories
+    (``core.stats.seed_cluster_bootstrap``): the tasks of one level often succeed or fail together."""
+    from core.stats import seed_cluster_bootstrap, seed_task_bootstrap
 
     for r in arms_out.values():
         rows = r.get("per_seed_per_task")
         if rows:
             _, lo, hi = seed_task_bootstrap(rows)
             r["ci95_seed_task"] = [lo, hi]
+            if _clusters_fit(categories, rows):
+                _, lo, hi = seed_cluster_bootstrap(rows, categories)
+                r["ci95_seed_category"] = [lo, hi]
+
+
+def _clusters_fit(categories: list[str] | None, rows: list[list[float]]) -> bool:
+    """Whether a category per task is known and there are at least two categories to draw."""
+    return bool(categories) and len(set(categories)) > 1 and all(len(x) == len(categories) for x in rows)
+
+
+def _categories_from_runs(reports: list[dict[str, Any]], task_ids: list | None) -> list[str] | None:
+    """The tasks' categories for reports made before they carried ``task_categories``: from a phase evaluation
+    of one of their runs, on the same tasks."""
+    for r in reports:
+        for run in r.get("runs") or []:
+            for e in (run.get("heldout_by_step") or {}).values():
+                if task_ids is not None and e.get("task_ids") == task_ids:
+                    return task_categories(e)
+    return None
+
+
+def task_categories(doc: dict[str, Any], model: str = "model") -> list[str] | None:
+    """Each held-out task's category (BabyAI: its level), in the evaluation's task order; None if any lacks one."""
+    budgets = doc["models"][model]["budgets"]
+    cats = [t.get("category") for t in budgets[max(budgets, key=int)]["per_task"]]
+    return cats if cats and all(isinstance(c, str) and c for c in cats) else None
 
 
 def _paired(x: list[float], y: list[float]) -> dict[str, Any]:
@@ -1097,7 +1128,8 @@ def _paired(x: list[float], y: list[float]) -> dict[str, Any]:
     return {"diff": c.diff, "ci95": list(c.ci), "p_value": c.p_value, "tasks": len(x)}
 
 
-def arm_comparisons(arms_out: dict[str, Any], labels: list[int | None] | None = None) -> dict[str, Any]:
+def arm_comparisons(arms_out: dict[str, Any], labels: list[int | None] | None = None,
+                    categories: list[str] | None = None) -> dict[str, Any]:
     """``"A - B"`` for the pairs of ``core.study.comparison_pairs`` (ScalingInter minus every other arm, the GiGPO
     arm minus each fixed arm) on the same held-out tasks: the paired bootstrap over the per-task success pooled over
     seeds at the largest budget (``diff``, ``ci95``, ``p_value``), and where the reports have the per-task outcomes
@@ -1106,15 +1138,19 @@ def arm_comparisons(arms_out: dict[str, Any], labels: list[int | None] | None = 
     from core.study import bucket_indices
 
     out = {}
-    from core.stats import seed_task_bootstrap
+    from core.stats import seed_cluster_bootstrap, seed_task_bootstrap
 
     for x, y in comparison_pairs(arms_out):
         entry = _paired(arms_out[x]["pooled_per_task"], arms_out[y]["pooled_per_task"])
         sx, sy = arms_out[x].get("per_seed_per_task"), arms_out[y].get("per_seed_per_task")
         same_seeds = arms_out[x].get("seeds") == arms_out[y].get("seeds")  # both unknown: a report's own order
         if sx and sy and len(sx) == len(sy) and same_seeds:  # the same seeds, in order: paired by seed and by task
-            _, lo, hi = seed_task_bootstrap([[a - b for a, b in zip(u, v)] for u, v in zip(sx, sy)])
+            diffs = [[a - b for a, b in zip(u, v)] for u, v in zip(sx, sy)]
+            _, lo, hi = seed_task_bootstrap(diffs)
             entry["ci95_seed_task"] = [lo, hi]
+            if _clusters_fit(categories, diffs):  # paired by seed, whole categories drawn
+                _, lo, hi = seed_cluster_bootstrap(diffs, categories)
+                entry["ci95_seed_category"] = [lo, hi]
         bx, by = arms_out[x].get("per_seed_per_task_by_budget"), arms_out[y].get("per_seed_per_task_by_budget")
         if bx and by:
             entry["budgets"] = {}
@@ -1337,8 +1373,11 @@ def merge_reports(reports: list[dict[str, Any]], allow_mixed_precision: bool = F
                         key=lambda h: (h.get("seed") is None, h.get("seed") or 0))
         if len(health) == len(out["per_seed_per_task"]):
             out["per_seed"] = health
-    seed_level_intervals(arms_out)
-    report.update({"base": base, "arms": arms_out, "comparisons": arm_comparisons(arms_out, labels),
+    categories = first.get("task_categories") or _categories_from_runs(reports, report.get("task_ids"))
+    if categories:
+        report["task_categories"] = categories
+    seed_level_intervals(arms_out, categories)
+    report.update({"base": base, "arms": arms_out, "comparisons": arm_comparisons(arms_out, labels, categories),
                    "wall_time_s": sum(r["wall_time_s"] for r in reports),
                    "runs": [x for r in reports for x in r["runs"]], "collapse_rule": COLLAPSE_RULE})
     report["paper_claims"] = paper_claims(arms_out, report["comparisons"])
@@ -1407,17 +1446,19 @@ def table(report: dict[str, Any]) -> str:
              f"held-out n={report['eval_n']} at {big} turns (greedy); {report['machine']}",
              f"starting model: {describe_start(report.get('start_model'))}" + _starts(report),
              *([f"arithmetic: {_arithmetic(report)}"] if report.get("precision") else []),
-             "(95% CI: seeds x tasks = a bootstrap over seeds and tasks, with the seed-to-seed variation; episodes = "
-             "Wilson over all seeds' episodes as if independent)",
-             f"{'arm':<20}{'limits':<12}{'held-out':>10}{'CI seeds x tasks':>18}{'CI episodes':>16}"
-             f"{'vs base p (per seed)':>22}{'steps':>7}{'tokens':>10}{'step s':>8}{'wall s':>9}",
-             f"{'base model':<20}{'-':<12}{report['base']['heldout_success']:>10.3f}{'-':>18}"
+             "(95% CI: seeds x tasks = a bootstrap over seeds and tasks, with the seed-to-seed variation; seeds x "
+             "categories = the same drawing whole task categories (levels), whose tasks often succeed or fail "
+             "together; episodes = Wilson over all seeds' episodes as if independent)",
+             f"{'arm':<20}{'limits':<12}{'held-out':>10}{'CI seeds x tasks':>18}{'CI seeds x categ.':>19}"
+             f"{'CI episodes':>16}{'vs base p (per seed)':>22}{'steps':>7}{'tokens':>10}{'step s':>8}{'wall s':>9}",
+             f"{'base model':<20}{'-':<12}{report['base']['heldout_success']:>10.3f}{'-':>18}{'-':>19}"
              f"{'[%.3f, %.3f]' % tuple(report['base']['ci95']):>16}{'':>22}{0:>7}{'-':>10}{'-':>8}{'-':>9}"]
     for arm, r in report["arms"].items():
         ps = ",".join(f"{p:.2g}" for p in r["vs_base_mcnemar_p"])
         st = "[%.3f, %.3f]" % tuple(r["ci95_seed_task"]) if r.get("ci95_seed_task") else "-"
+        sc = "[%.3f, %.3f]" % tuple(r["ci95_seed_category"]) if r.get("ci95_seed_category") else "-"
         lines.append(f"{arm:<20}{'>'.join(map(str, r['turn_limits'])):<12}{r['heldout_success']:>10.3f}{st:>18}"
-                     f"{'[%.3f, %.3f]' % tuple(r['ci95']):>16}{ps:>22}{r['steps']:>7}"
+                     f"{sc:>19}{'[%.3f, %.3f]' % tuple(r['ci95']):>16}{ps:>22}{r['steps']:>7}"
                      f"{r['generated_tokens']:>10.0f}{r['step_time_s']:>8.0f}{r['wall_time_s']:>9.0f}")
     extra = [f"{arm}: {', '.join(r['overrides'])}" for arm, r in report["arms"].items() if r.get("overrides")]
     if extra:
@@ -1425,6 +1466,8 @@ def table(report: dict[str, Any]) -> str:
     for name, c in report["comparisons"].items():
         st = (f"; seeds x tasks [{c['ci95_seed_task'][0]:+.3f}, {c['ci95_seed_task'][1]:+.3f}]"
               if c.get("ci95_seed_task") else "")
+        st += (f"; seeds x categories [{c['ci95_seed_category'][0]:+.3f}, {c['ci95_seed_category'][1]:+.3f}]"
+               if c.get("ci95_seed_category") else "")
         lines.append(f"{name}: {c['diff']:+.3f} [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}] (tasks), "
                      f"paired bootstrap p = {c['p_value']:.3g}{st}")
         for b, e in sorted((c.get("budgets") or {}).items(), key=lambda kv: -int(kv[0])):

@@ -44,6 +44,7 @@ FINAL = {
 PHASE1 = {"scalinginter": [[1, 0, 0, 0, 0, 0, 0, 1], [0, 0, 0, 1, 0, 0, 0, 0]]}  # other arms: the base's
 ARMS3 = list(FINAL)
 PHASES = [{"turn_limit": 2, "steps": 1}, {"turn_limit": 4, "steps": 1}]
+CATEGORIES = ["L1"] * 3 + ["L2"] * 3 + ["L3"] * 2  # the tasks' levels
 
 
 def _doc(outcomes: dict[int, list[int]], labels: list, ref: str) -> dict:
@@ -51,7 +52,7 @@ def _doc(outcomes: dict[int, list[int]], labels: list, ref: str) -> dict:
     from core.evalreport import Outcome, model_report
 
     outs = [Outcome(task_id=t, turn_limit=b, sample=0, success=bool(v[i]), reward=float(v[i]), turns=b,
-                    required_turns=labels[i])
+                    category=CATEGORIES[i], required_turns=labels[i])
             for b, v in outcomes.items() for i, t in enumerate(TASKS)]
     return {"task_ids": list(TASKS), "samples": 1,
             "models": {"model": {"ref": ref, **model_report(outs, TASKS, sorted(outcomes), 1)}}}
@@ -853,7 +854,7 @@ def test_report_gives_seed_level_intervals_and_per_run_health():
     """Beside the per-episode Wilson interval, each arm's pooled success and each paired difference get a bootstrap
     over seeds and tasks; each run gets its collapse verdict (too short here to tell), horizon use per phase and
     retention of what the base solved (base solves tasks 3 and 7: scalinginter seed 0 keeps both, seed 1 neither)."""
-    from core.stats import seed_task_bootstrap
+    from core.stats import seed_cluster_bootstrap, seed_task_bootstrap
 
     rep = _report([0, 1])
     si = rep["arms"]["scalinginter"]
@@ -862,6 +863,10 @@ def test_report_gives_seed_level_intervals_and_per_run_health():
     c = rep["comparisons"]["scalinginter - fixed-long"]
     diffs = [[a - b for a, b in zip(FINAL["scalinginter"][s][4], FINAL["fixed-long"][s][4])] for s in (0, 1)]
     assert c["ci95_seed_task"] == list(seed_task_bootstrap(diffs)[1:])
+    # and with whole levels drawn (the tasks' categories, carried in the report)
+    assert rep["task_categories"] == CATEGORIES
+    assert si["ci95_seed_category"] == list(seed_cluster_bootstrap(rows, CATEGORIES)[1:])
+    assert c["ci95_seed_category"] == list(seed_cluster_bootstrap(diffs, CATEGORIES)[1:])
     h0, h1 = si["per_seed"]
     assert (h0["seed"], h1["seed"]) == (0, 1) and not h0["collapsed"] and h0["final_success"] is None
     assert h0["horizon"] == {"phase-1": {"diag/turn_limit_frac": 1.0}, "phase-2": {"diag/turn_limit_frac": 0.5}}
@@ -881,11 +886,16 @@ def test_report_gives_seed_level_intervals_and_per_run_health():
     text = ls.table(rep)
     assert "CI seeds x tasks" in text and "no collapse" in text and "retention all 1.00" in text
     assert "held-out lost/gained 1/1 0/3 (largest drop 0.000); held-out failed at the cap 0.75 0.75 0.38" in text
-    older = _report([0])  # a piece reported before the churn was: the merge computes it from the piece's runs
-    for a in older["arms"].values():
-        for h in a["per_seed"]:
-            del h["heldout_churn"]
-    merged = ls.merge_reports([older, _report([1])])
+    assert "seeds x categories [" in text
+    older = [_report([0]), _report([1])]  # pieces reported before the churn and the categories were: the merge
+    for r in older:                       # computes them from the pieces' runs
+        del r["task_categories"]
+        for a in r["arms"].values():
+            for h in a["per_seed"]:
+                del h["heldout_churn"]
+    merged = ls.merge_reports(older)
+    assert merged["task_categories"] == CATEGORIES
+    assert merged["arms"]["scalinginter"]["ci95_seed_category"] == si["ci95_seed_category"]
     assert merged["arms"]["scalinginter"]["ci95_seed_task"] == si["ci95_seed_task"]
     assert [h["seed"] for h in merged["arms"]["scalinginter"]["per_seed"]] == [0, 1]
     assert [h["heldout_churn"] for h in merged["arms"]["scalinginter"]["per_seed"]] == [c0, c1]

@@ -519,6 +519,26 @@ def test_seed_task_bootstrap_widens_with_seed_spread():
     assert math.isnan(seed_task_bootstrap([])[0])
 
 
+def test_seed_cluster_bootstrap_counts_a_cluster_that_moves_together_once():
+    """40 tasks in 2 clusters of 20: one cluster all solved, the other none (one strategy per level). Drawn by task,
+    the mean is pinned near 0.5; drawn by cluster, a replicate draws the same cluster twice half the time, so the
+    interval reaches 0 and 1. With one cluster per task it is the task-level bootstrap's kind of interval."""
+    from core.stats import seed_cluster_bootstrap, seed_task_bootstrap
+
+    x = [[1.0] * 20 + [0.0] * 20, [1.0] * 20 + [0.0] * 20]
+    levels = ["a"] * 20 + ["b"] * 20
+    assert seed_cluster_bootstrap(x, levels) == (0.5, 0.0, 1.0)
+    _, lo, hi = seed_task_bootstrap(x)
+    assert 0.3 < lo < 0.5 < hi < 0.7
+    m, lo1, hi1 = seed_cluster_bootstrap(x, list(range(40)))  # every task its own cluster
+    assert m == 0.5 and 0.3 < lo1 < 0.5 < hi1 < 0.7
+    mixed = [[1.0, 0.0] * 20, [1.0, 0.0] * 20]  # each cluster half solved: clusters agree, interval narrow
+    assert seed_cluster_bootstrap(mixed, levels) == (0.5, 0.5, 0.5)
+    with pytest.raises(ValueError, match="2 cluster labels for 40 tasks"):
+        seed_cluster_bootstrap(x, ["a", "b"])
+    assert math.isnan(seed_cluster_bootstrap([], [])[0])
+
+
 def test_the_kl_reference_of_every_phase_is_the_runs_starting_model(tmp_path, monkeypatch):
     """Phase 2 starts from phase 1's final checkpoint, but its KL reference is the run's model.path (the warm start
     when a run starts from one), not the previous phase: the anchor is where the run started."""
