@@ -119,22 +119,10 @@ def seed_task_bootstrap(per_seed: Sequence[Sequence[float]], confidence: float =
     task ``t``; every seed scored on the same tasks) with a two-way percentile bootstrap interval: each replicate
     draws the seeds with replacement and, independently, the tasks with replacement, and averages the crossed
     cells. Seed-to-seed variation is in the interval (a per-task bootstrap pooled over seeds leaves it out).
-    Returns (mean, low, high); an empty table gives nans."""
-    _check_confidence(confidence)
+    Returns (mean, low, high); an empty table gives nans. (``seed_cluster_bootstrap`` with each task its own
+    cluster: the same draws.)"""
     x = np.asarray(per_seed, dtype=float)
-    if x.size == 0:
-        return math.nan, math.nan, math.nan
-    if x.ndim != 2:
-        raise ValueError("per_seed must be a table: one row of per-task values per seed, all of one length")
-    S, T = x.shape
-    rng = np.random.default_rng(seed)
-    means = np.empty(resamples)
-    for b in range(resamples):
-        rows = rng.integers(0, S, size=S)
-        cols = rng.integers(0, T, size=T)
-        means[b] = x[np.ix_(rows, cols)].mean()
-    a = (1 - confidence) / 2
-    return float(x.mean()), float(np.quantile(means, a)), float(np.quantile(means, 1 - a))
+    return seed_cluster_bootstrap(x, list(range(x.shape[1])) if x.ndim == 2 else [], confidence, resamples, seed)
 
 
 def seed_cluster_bootstrap(per_seed: Sequence[Sequence[float]], clusters: Sequence[Any], confidence: float = 0.95,
