@@ -143,11 +143,13 @@ def seed_cluster_bootstrap(per_seed: Sequence[Sequence[float]], clusters: Sequen
     if len(clusters) != T:
         raise ValueError(f"{len(clusters)} cluster labels for {T} tasks")
     groups = [np.array([t for t in range(T) if clusters[t] == c]) for c in dict.fromkeys(clusters)]
+    single = np.array([g[0] for g in groups]) if all(len(g) == 1 for g in groups) else None  # one task each
     rng = np.random.default_rng(seed)
     means = np.empty(resamples)
     for b in range(resamples):
         rows = rng.integers(0, S, size=S)
-        cols = np.concatenate([groups[k] for k in rng.integers(0, len(groups), size=len(groups))])
+        drawn = rng.integers(0, len(groups), size=len(groups))
+        cols = single[drawn] if single is not None else np.concatenate([groups[k] for k in drawn])
         means[b] = x[np.ix_(rows, cols)].mean()
     a = (1 - confidence) / 2
     return float(x.mean()), float(np.quantile(means, a)), float(np.quantile(means, 1 - a))
