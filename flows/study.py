@@ -1062,22 +1062,25 @@ def _at_cap(doc: dict[str, Any], budget: int) -> float | None:
                         int(cell.get("turn_limit", budget)))
 
 
+def _phase_points(r: dict[str, Any], big: int) -> list[tuple[int, dict[str, Any]]]:
+    """A run's phase-final evaluations scored at the largest budget, in step order, between its start and its
+    final checkpoint (the held-out points of ``run_at_cap`` and ``run_churn`` besides those two)."""
+    return sorted((int(s), e) for s, e in (r.get("heldout_by_step") or {}).items()
+                  if str(big) in e["models"]["model"]["budgets"] and 0 < int(s) < int(r["steps"]))
+
+
 def run_at_cap(r: dict[str, Any], big: int, base_doc: dict[str, Any] | None) -> dict[str, float]:
     """Per held-out point of a run (step 0: the starting model, each phase final, the final checkpoint), the share
     of its episodes at the largest budget that failed at the turn limit."""
-    docs = [(0, base_doc)] + sorted(((int(s), e) for s, e in (r.get("heldout_by_step") or {}).items()),
-                                    key=lambda x: x[0]) + [(int(r["steps"]), r.get("final_eval"))]
+    docs = [(0, base_doc)] + _phase_points(r, big) + [(int(r["steps"]), r.get("final_eval"))]
     return {str(s): v for s, d in docs if d is not None and (v := _at_cap(d, big)) is not None}
 
 
 def run_churn(r: dict[str, Any], final: list[float], base_s: list[float], big: int) -> dict[str, Any]:
     """``core.study.heldout_churn`` of a run at the largest budget: the starting model's scores (step 0), each
-    phase final's (``heldout_by_step``, scored at that budget) and the final checkpoint's."""
-    points = [(0, base_s)]
-    for step, e in sorted((r.get("heldout_by_step") or {}).items(), key=lambda x: int(x[0])):
-        if str(big) in e["models"]["model"]["budgets"] and 0 < int(step) < int(r["steps"]):
-            points.append((int(step), per_task_success(e, big)))
-    return heldout_churn(points + [(int(r["steps"]), final)])
+    phase final's and the final checkpoint's."""
+    return heldout_churn([(0, base_s)] + [(s, per_task_success(e, big)) for s, e in _phase_points(r, big)]
+                         + [(int(r["steps"]), final)])
 
 
 def seed_level_intervals(arms_out: dict[str, Any], categories: list[str] | None = None) -> None:
@@ -1440,6 +1443,21 @@ def _arithmetic(report: dict[str, Any]) -> str:
     return text
 
 
+def _path_text(h: dict[str, Any]) -> str:
+    """A run's held-out path for its table line: tasks lost/gained point to point, the largest drop, and the share
+    failed at the cap at each point (empty where the run's record has neither)."""
+    text = ""
+    churn = h.get("heldout_churn") or {}
+    if churn.get("transitions"):
+        moves = " ".join(f"{t['lost']}/{t['gained']}" for t in churn["transitions"])
+        text += f"; held-out lost/gained {moves} (largest drop {churn['largest_drop']:.3f})"
+    cap = h.get("heldout_at_cap") or {}
+    if cap:
+        text += "; held-out failed at the cap " + " ".join(f"{v:.2f}" for _, v in sorted(cap.items(),
+                                                                                        key=lambda x: int(x[0])))
+    return text
+
+
 def table(report: dict[str, Any]) -> str:
     big = max(report["budgets"])
     lines = [f"learning study: {report['env']}, preset {report['preset']}, {report['seeds']} seed(s), "
@@ -1506,14 +1524,8 @@ def table(report: dict[str, Any]) -> str:
                 rep = " ".join(f"{v.get('diag/repeated_action_rate', float('nan')):.2f}"
                                for v in h["horizon"].values())
                 ret = " ".join(f"{k} {'-' if v is None else f'{v:.2f}'}" for k, v in h["retention"].items())
-                churn = h.get("heldout_churn") or {}
-                path = (f"; held-out lost/gained {' '.join(f'''{t['lost']}/{t['gained']}''' for t in churn['transitions'])}"
-                        f" (largest drop {churn['largest_drop']:.3f})" if churn.get("transitions") else "")
-                cap = h.get("heldout_at_cap") or {}
-                path += (f"; held-out failed at the cap {' '.join(f'{v:.2f}' for _, v in sorted(cap.items(), key=lambda x: int(x[0])))}"
-                         if cap else "")
                 lines.append(f"  {arm:<20} seed {h['seed']}: {'COLLAPSED' if h['collapsed'] else 'no collapse'}; "
-                             f"used {used}; repeat {rep}; retention {ret}{path}")
+                             f"used {used}; repeat {rep}; retention {ret}{_path_text(h)}")
     shared = [r for r in report.get("runs") or [] if r.get("shared_phases")]
     if shared:
         lines.append("phases trained once for two arms: " + "; ".join(
