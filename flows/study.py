@@ -1137,16 +1137,28 @@ def arm_comparisons(arms_out: dict[str, Any], labels: list[int | None] | None = 
     arm minus each fixed arm) on the same held-out tasks: the paired bootstrap over the per-task success pooled over
     seeds at the largest budget (``diff``, ``ci95``, ``p_value``), and where the reports have the per-task outcomes
     at every budget, the same per budget (``budgets``) and, with the tasks' labels, per required-turns bucket
-    (``budgets[<T>]["buckets"]``)."""
+    (``budgets[<T>]["buckets"]``).
+
+    Paired by seed too: where both arms know their seeds, a pair is compared on the seeds both have (``seeds``; a
+    merge of pieces can hold an arm with seeds 0-3 beside one with 1-3), so every difference is between the same
+    seeds' runs; a pair with no seed in common is left out (``seedless_pairs`` in the report says which)."""
     from core.study import bucket_indices
 
     out = {}
     from core.stats import seed_cluster_bootstrap, seed_task_bootstrap
 
     for x, y in comparison_pairs(arms_out):
-        entry = _paired(arms_out[x]["pooled_per_task"], arms_out[y]["pooled_per_task"])
-        sx, sy = arms_out[x].get("per_seed_per_task"), arms_out[y].get("per_seed_per_task")
-        same_seeds = arms_out[x].get("seeds") == arms_out[y].get("seeds")  # both unknown: a report's own order
+        ax, ay = arms_out[x], arms_out[y]
+        shared = shared_seeds(ax, ay)
+        if shared == []:
+            continue
+        if shared is not None:
+            ax, ay = on_seeds(ax, shared), on_seeds(ay, shared)
+        entry = _paired(ax["pooled_per_task"], ay["pooled_per_task"])
+        if shared is not None:
+            entry["seeds"] = shared
+        sx, sy = ax.get("per_seed_per_task"), ay.get("per_seed_per_task")
+        same_seeds = ax.get("seeds") == ay.get("seeds")  # both unknown: a report's own order
         if sx and sy and len(sx) == len(sy) and same_seeds:  # the same seeds, in order: paired by seed and by task
             diffs = [[a - b for a, b in zip(u, v)] for u, v in zip(sx, sy)]
             _, lo, hi = seed_task_bootstrap(diffs)
@@ -1154,7 +1166,7 @@ def arm_comparisons(arms_out: dict[str, Any], labels: list[int | None] | None = 
             if _clusters_fit(categories, diffs):  # paired by seed, whole categories drawn
                 _, lo, hi = seed_cluster_bootstrap(diffs, categories)
                 entry["ci95_seed_category"] = [lo, hi]
-        bx, by = arms_out[x].get("per_seed_per_task_by_budget"), arms_out[y].get("per_seed_per_task_by_budget")
+        bx, by = ax.get("per_seed_per_task_by_budget"), ay.get("per_seed_per_task_by_budget")
         if bx and by:
             entry["budgets"] = {}
             for b in sorted(set(bx) & set(by), key=int):
@@ -1166,6 +1178,38 @@ def arm_comparisons(arms_out: dict[str, Any], labels: list[int | None] | None = 
                 entry["budgets"][b] = e
         out[f"{x} - {y}"] = entry
     return out
+
+
+def _seed_rows(arm: dict[str, Any]) -> list[int] | None:
+    """An arm record's seeds, where they are known and its per-seed outcomes line up with them (else None)."""
+    seeds, rows = arm.get("seeds"), arm.get("per_seed_per_task")
+    return list(seeds) if seeds and rows and len(seeds) == len(rows) else None
+
+
+def shared_seeds(ax: dict[str, Any], ay: dict[str, Any]) -> list[int] | None:
+    """The seeds two arm records both have, in ``ax``'s order; None where either does not know its seeds or both
+    have the same ones (nothing to restrict), [] where they share none."""
+    kx, ky = _seed_rows(ax), _seed_rows(ay)
+    if kx is None or ky is None or kx == ky:
+        return None
+    return [s for s in kx if s in ky]
+
+
+def on_seeds(arm: dict[str, Any], keep: list[int]) -> dict[str, Any]:
+    """An arm record restricted to the seeds ``keep`` (each one it has): its per-seed outcomes, per budget too, and
+    the per-task success pooled over those seeds."""
+    pos = [arm["seeds"].index(s) for s in keep]
+    out = {**arm, "seeds": list(keep), "per_seed_per_task": [arm["per_seed_per_task"][i] for i in pos]}
+    out["pooled_per_task"] = pooled_successes(out["per_seed_per_task"])
+    if arm.get("per_seed_per_task_by_budget"):
+        out["per_seed_per_task_by_budget"] = {b: [v[i] for i in pos]
+                                              for b, v in arm["per_seed_per_task_by_budget"].items()}
+    return out
+
+
+def seedless_pairs(arms_out: dict[str, Any]) -> list[str]:
+    """The comparison pairs left out because the two arms have no seed in common."""
+    return [f"{x} - {y}" for x, y in comparison_pairs(arms_out) if shared_seeds(arms_out[x], arms_out[y]) == []]
 
 
 def _merge_bands(curves: list[dict[str, Any]]) -> dict[str, Any]:
@@ -1384,6 +1428,8 @@ def merge_reports(reports: list[dict[str, Any]], allow_mixed_precision: bool = F
                    "wall_time_s": sum(r["wall_time_s"] for r in reports),
                    "runs": [x for r in reports for x in r["runs"]], "collapse_rule": COLLAPSE_RULE})
     report["paper_claims"] = paper_claims(arms_out, report["comparisons"])
+    if seedless_pairs(arms_out):
+        report["seedless_pairs"] = seedless_pairs(arms_out)
     return report
 
 
@@ -1486,13 +1532,16 @@ def table(report: dict[str, Any]) -> str:
               if c.get("ci95_seed_task") else "")
         st += (f"; seeds x categories [{c['ci95_seed_category'][0]:+.3f}, {c['ci95_seed_category'][1]:+.3f}]"
                if c.get("ci95_seed_category") else "")
-        lines.append(f"{name}: {c['diff']:+.3f} [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}] (tasks), "
+        on = f" on seeds {', '.join(map(str, c['seeds']))}" if c.get("seeds") else ""
+        lines.append(f"{name}{on}: {c['diff']:+.3f} [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}] (tasks), "
                      f"paired bootstrap p = {c['p_value']:.3g}{st}")
         for b, e in sorted((c.get("budgets") or {}).items(), key=lambda kv: -int(kv[0])):
             parts = ([f"all {_diff(e)}"] if int(b) != big else []) + [
                 f"{k} {_diff(x)}" for k, x in (e.get("buckets") or {}).items()]
             if parts:
                 lines.append(f"    at {b} turns: " + "; ".join(parts))
+    if report.get("seedless_pairs"):
+        lines.append("not compared (no seed in common): " + ", ".join(report["seedless_pairs"]))
     for rs in ([report["rescore"]] if "budgets" in report.get("rescore", {}) else
                report.get("rescore", {}).get("parts", [])):
         lines.append("re-score (the starting model scored twice, same tasks, lock-step greedy): " + "; ".join(

@@ -100,6 +100,30 @@ def test_merge_reports_pools_seeds_by_hand():
         merge_reports([a])
 
 
+def test_merge_compares_arms_on_the_seeds_both_have():
+    """An arm with seeds 0 and 1 beside one with seed 1 only: their difference is seed 1's paired one (0 here), not
+    the gap between rates pooled over different seeds (0.625 - 0.25); a pair with no seed in common is left out."""
+    from flows.study import merge_reports, table
+
+    a = _report({"scalinginter": [[1, 1, 1, 1], [0, 1, 0, 0]], "fixed-short": [[0, 0, 0, 0], [0, 0, 0, 0]]})
+    b = _report({"fixed-long": [[1, 0, 0, 0]]}, first_seed=1)
+    m = merge_reports([a, b])
+    assert m["arms"]["scalinginter"]["seeds"] == [0, 1] and m["arms"]["fixed-long"]["seeds"] == [1]
+    long_ = m["comparisons"]["scalinginter - fixed-long"]
+    assert long_["diff"] == pytest.approx(0.0) and long_["seeds"] == [1]
+    short = m["comparisons"]["scalinginter - fixed-short"]
+    assert short["diff"] == pytest.approx(0.625) and "seeds" not in short  # the same seeds: nothing restricted
+    assert m["arms"]["scalinginter"]["pooled_per_task"] == [0.5, 1.0, 0.5, 0.5]  # the arm's own row keeps both
+    assert "seedless_pairs" not in m
+    assert "scalinginter - fixed-long on seeds 1: +0.000" in table(m)
+
+    c = _report({"scalinginter": [[1, 0, 0, 0]]})
+    d = _report({"fixed-long": [[0, 0, 0, 1]]}, first_seed=1)
+    m2 = merge_reports([c, d])
+    assert m2["comparisons"] == {} and m2["seedless_pairs"] == ["scalinginter - fixed-long"]
+    assert "not compared (no seed in common): scalinginter - fixed-long" in table(m2)
+
+
 # --- the GiGPO arm, comparison pairs --------------------------------------------------------------------------
 def test_gigpo_arm_is_the_scalinginter_curriculum_with_the_gigpo_estimator():
     from core.study import ARMS, DEFAULT_ARMS, arm_overrides
