@@ -1428,8 +1428,9 @@ def merge_reports(reports: list[dict[str, Any]], allow_mixed_precision: bool = F
                    "wall_time_s": sum(r["wall_time_s"] for r in reports),
                    "runs": [x for r in reports for x in r["runs"]], "collapse_rule": COLLAPSE_RULE})
     report["paper_claims"] = paper_claims(arms_out, report["comparisons"])
-    if seedless_pairs(arms_out):
-        report["seedless_pairs"] = seedless_pairs(arms_out)
+    left_out = seedless_pairs(arms_out)
+    if left_out:
+        report["seedless_pairs"] = left_out
     return report
 
 
