@@ -60,8 +60,8 @@ def tiny_llama(seed: int = 0):
 
 def engine(model, **kw):
     """The engine in fp32: the property is that kept keys and values change nothing, which fp32 can show token for
-    token. Under bf16 autocast (the CPU default) a batch's padding already moves log-probs by ~1e-2, enough to flip
-    this flat tiny model's near-tied greedy choices (seen on an AVX512-BF16 EPYC, not on AVX2)."""
+    token (the two paths' log-probs within 5e-7 here). Under bf16 autocast (the CPU default) they differ by up to 4e-2,
+    enough to flip this flat tiny model's near-tied greedy choices (2 of 20 rows on an AVX512-BF16 EPYC, none on AVX2)."""
     return TransformersBackend(model, EOS, PAD, bf16_autocast=False, **kw)
 
 
