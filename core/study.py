@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from core.evalreport import BUCKETS, required_turns_bucket
-from core.stats import mcnemar_exact, wilson_interval
+from core.stats import mcnemar_exact, seed_task_bootstrap, wilson_interval
 
 ARMS = ("scalinginter", "fixed-short", "fixed-long", "scalinginter-gigpo", "scalinginter-fit")
 DEFAULT_ARMS = ("scalinginter", "fixed-short", "fixed-long")  # the study command's --arms default
@@ -193,7 +193,9 @@ def bucket_stats(per_seed: list[list[float]], labels: list[int | None],
     overall number), ``tasks`` in the bucket, ``per_seed_success``; with ``base`` (the base model's per-task
     success on the same tasks) ``vs_base_mcnemar_p``, the exact McNemar p of each seed against it; with
     ``seed_bases`` instead (one per seed: a warm start made again for each seed's part of the study), each seed
-    against its own."""
+    against its own. ``ci95_seed_task``: the bucket's interval from a bootstrap over the seeds and the bucket's tasks
+    (``core.stats.seed_task_bootstrap``), which carries the seed-to-seed variation the Wilson interval leaves out
+    (with one seed, a bootstrap over the tasks alone)."""
     if not per_seed:
         raise ValueError("no seeds")
     if base is not None and seed_bases is not None:
@@ -209,8 +211,9 @@ def bucket_stats(per_seed: list[list[float]], labels: list[int | None],
         n = len(idx)
         wins = sum(s[i] for s in per_seed for i in idx)
         lo, hi = wilson_interval(int(round(wins)), n * len(per_seed))
-        cell: dict[str, Any] = {"success": wins / (n * len(per_seed)), "ci95": [lo, hi], "tasks": n,
-                                "per_seed_success": [sum(s[i] for i in idx) / n for s in per_seed]}
+        _, slo, shi = seed_task_bootstrap([[s[i] for i in idx] for s in per_seed])
+        cell: dict[str, Any] = {"success": wins / (n * len(per_seed)), "ci95": [lo, hi], "ci95_seed_task": [slo, shi],
+                                "tasks": n, "per_seed_success": [sum(s[i] for i in idx) / n for s in per_seed]}
         if seed_bases is not None:
             cell["vs_base_mcnemar_p"] = [paired_mcnemar([s[i] for i in idx], [sb[i] for i in idx])
                                          for s, sb in zip(per_seed, seed_bases)]

@@ -1137,7 +1137,8 @@ def arm_comparisons(arms_out: dict[str, Any], labels: list[int | None] | None = 
     arm minus each fixed arm) on the same held-out tasks: the paired bootstrap over the per-task success pooled over
     seeds at the largest budget (``diff``, ``ci95``, ``p_value``), and where the reports have the per-task outcomes
     at every budget, the same per budget (``budgets``) and, with the tasks' labels, per required-turns bucket
-    (``budgets[<T>]["buckets"]``).
+    (``budgets[<T>]["buckets"]``); where the two arms' seeds pair up, each of those also gets ``ci95_seed_task``,
+    the bootstrap over seeds and tasks of the per-seed paired differences.
 
     Paired by seed too: where both arms know their seeds, a pair is compared on the seeds both have (``seeds``; a
     merge of pieces can hold an arm with seeds 0-3 beside one with 1-3), so every difference is between the same
@@ -1171,10 +1172,18 @@ def arm_comparisons(arms_out: dict[str, Any], labels: list[int | None] | None = 
             entry["budgets"] = {}
             for b in sorted(set(bx) & set(by), key=int):
                 px, py = pooled_successes(bx[b]), pooled_successes(by[b])
+                by_seed = same_seeds and len(bx[b]) == len(by[b])  # paired by seed and by task
+                d = [[u - v for u, v in zip(su, sv)] for su, sv in zip(bx[b], by[b])] if by_seed else None
                 e = _paired(px, py)
+                if d:
+                    e["ci95_seed_task"] = list(seed_task_bootstrap(d)[1:])
                 if labels:
                     e["buckets"] = {k: _paired([px[i] for i in idx], [py[i] for i in idx])
                                     for k, idx in bucket_indices(labels).items()}
+                    if d:
+                        for k, idx in bucket_indices(labels).items():
+                            e["buckets"][k]["ci95_seed_task"] = list(seed_task_bootstrap([[r[i] for i in idx]
+                                                                                           for r in d])[1:])
                 entry["budgets"][b] = e
         out[f"{x} - {y}"] = entry
     return out
@@ -1444,7 +1453,10 @@ def _machine() -> str:
 
 
 def _rate(c: dict[str, Any] | None) -> str:
-    return "-" if not c else f"{c['success']:.2f} [{c['ci95'][0]:.2f},{c['ci95'][1]:.2f}]"
+    if not c:
+        return "-"
+    st = f" [{c['ci95_seed_task'][0]:.2f},{c['ci95_seed_task'][1]:.2f}]" if c.get("ci95_seed_task") else ""
+    return f"{c['success']:.2f} [{c['ci95'][0]:.2f},{c['ci95'][1]:.2f}]{st}"
 
 
 def _num(v: Any) -> str:
@@ -1456,7 +1468,9 @@ def _num(v: Any) -> str:
 
 
 def _diff(c: dict[str, Any]) -> str:
-    return f"{c['diff']:+.3f} [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}] p={c['p_value']:.2g}"
+    st = (f" seeds x tasks [{c['ci95_seed_task'][0]:+.3f}, {c['ci95_seed_task'][1]:+.3f}]"
+          if c.get("ci95_seed_task") else "")
+    return f"{c['diff']:+.3f} [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}] p={c['p_value']:.2g}{st}"
 
 
 DIAG_COLUMNS = (("invalid", "diag/invalid_action_rate"), ("repeat", "diag/repeated_action_rate"),
@@ -1556,12 +1570,13 @@ def table(report: dict[str, Any]) -> str:
 
         sizes = {k: len(v) for k, v in bucket_indices(labels).items()}
         for b in sorted(report["budgets"], key=int, reverse=True):
-            lines.append(f"held-out by required turns at {b} turns (success [95% CI], pooled over seeds):")
-            lines.append(f"{'':<20}" + "".join(f"{f'{k} (n={n})':>18}" for k, n in sizes.items()))
+            lines.append(f"held-out by required turns at {b} turns (success [95% CI episodes] [95% CI seeds x "
+                         "tasks], pooled over seeds):")
+            lines.append(f"{'':<20}" + "".join(f"{f'{k} (n={n})':>30}" for k, n in sizes.items()))
             rows = [("base model", report["base"].get("buckets", {}).get(str(b), {}))] + [
                 (arm, r.get("buckets", {}).get(str(b), {})) for arm, r in report["arms"].items()]
             for name, cells in rows:
-                lines.append(f"{name:<20}" + "".join(f"{_rate(cells.get(k)):>18}" for k in sizes))
+                lines.append(f"{name:<20}" + "".join(f"{_rate(cells.get(k)):>30}" for k in sizes))
     if any(r.get("per_seed") for r in report["arms"].values()):
         lines.append(f"per run: collapse ({report.get('collapse_rule', COLLAPSE_RULE)}); turns used / limit per "
                      "phase; retention = share of the tasks the starting model solved that the run still solves; "

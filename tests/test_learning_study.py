@@ -153,6 +153,12 @@ def test_build_report_buckets_by_hand():
     assert list(c["budgets"]["4"]["buckets"]) == ["1", "2-3", "4-6", "7+"]
     assert c["budgets"]["4"]["buckets"]["1"]["diff"] == pytest.approx(5 / 6 - 1 / 6)  # [1, 1, .5] vs [.5, 0, 0]
     assert c["budgets"]["4"]["buckets"]["1"]["tasks"] == 3
+    # paired by seed too: the per-seed differences drawn over seeds and tasks. "7+" (task 6): 0 - 0 on both seeds;
+    # "4-6" (task 5): ScalingInter 0 and 1, fixed-long 0 and 0 -> differences 0 and 1 -> [0, 1]
+    assert c["budgets"]["4"]["buckets"]["7+"]["ci95_seed_task"] == [0.0, 0.0]
+    assert c["budgets"]["4"]["buckets"]["4-6"]["ci95_seed_task"] == [0.0, 1.0]
+    lo, hi = c["budgets"]["4"]["ci95_seed_task"]
+    assert lo <= 0.25 <= hi
     g = cmp["scalinginter-gigpo - fixed-long"]["budgets"]["2"]  # at 2: [1, 1, .5, 0, 0, 0, 0, 1] vs zeros
     assert g["diff"] == pytest.approx(3.5 / 8) and g["buckets"]["1"]["diff"] == pytest.approx(2.5 / 3)
     assert "final_eval" not in rep["runs"][0] and len(rep["runs"]) == 6

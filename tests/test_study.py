@@ -232,12 +232,19 @@ def test_bucket_stats_by_hand():
     assert got["4-6"]["success"] == 0.5 and got["4-6"]["per_seed_success"] == [0.0, 1.0]
     assert got["4-6"]["ci95"] == pytest.approx(list(wilson_interval(1, 2)))
     assert got["7+"]["success"] == 0.0 and got["7+"]["ci95"] == pytest.approx(list(wilson_interval(0, 2)))
+    # seed-level intervals (a bootstrap over seeds and the bucket's tasks): "7+" is 0 on both seeds -> [0, 0];
+    # "4-6" is one task, 0 on seed 0 and 1 on seed 1: a replicate draws seed 0 twice (1/4), seed 1 twice (1/4) or
+    # both -> means 0, 1, 0.5, so the 2.5th and 97.5th percentiles are 0 and 1
+    assert got["7+"]["ci95_seed_task"] == [0.0, 0.0] and got["4-6"]["ci95_seed_task"] == [0.0, 1.0]
+    lo, hi = one["ci95_seed_task"]  # "1": [1, 1, 1] and [1, 1, 0]; only seed 1's task 2 fails
+    assert lo < 5 / 6 < hi == 1.0
     # the base better on two tasks, the seed on none: b=0, c=2 -> 2 * 0.5^2 = 0.5
     assert bucket_stats([[0, 0, 0]], [1, 1, 1], [1, 1, 0])["1"]["vs_base_mcnemar_p"] == pytest.approx([0.5])
     # without a base: no McNemar; one seed is a proportion over the bucket's tasks
     base_only = bucket_stats([BASE], LABELS)
     assert "vs_base_mcnemar_p" not in base_only["1"]
     assert {k: c["success"] for k, c in base_only.items()} == {"1": 0.0, "2-3": 0.5, "4-6": 0.0, "7+": 0.0}
+    assert base_only["2-3"]["ci95_seed_task"] == [0.0, 1.0]  # one seed: the tasks [1, 0] drawn alone
     assert bucket_stats([[1, 0]], [None, None]) == {}
 
 
