@@ -1486,9 +1486,25 @@ def _starts(report: dict[str, Any]) -> str:
     big = str(max(report["budgets"]))
     agree = report["base"].get("starts_agree", {}).get(big)
     same = f"; the same outcome on {agree}/{report['eval_n']} tasks at {big} turns" if agree is not None else ""
-    return (f"; made {len(starts)} times with this recipe (one per piece of the study), scored "
-            + ", ".join(f"{s['heldout_success']:.3f}" for s in starts) + f"{same}; base row: their mean, each seed "
-            "compared with its own")
+    return (f"; scored by each of the {len(starts)} pieces, which started from " + starts_text(starts)
+            + f"{same}; base row: the pieces' mean, each seed compared with its own")
+
+
+def starts_text(starts: list[dict[str, Any]]) -> str:
+    """The warm starts behind a merged study's pieces, told apart by their epoch losses (3 decimals, as
+    ``core.study.start_key``): how many pieces started from each and what each piece scored."""
+    groups: dict[str, list[float]] = {}
+    for s in starts:
+        losses = s.get("epoch_losses")
+        key = " -> ".join(f"{x:.3f}" for x in losses) if losses else "losses not recorded"
+        groups.setdefault(key, []).append(s["heldout_success"])
+    parts = []
+    for key, scores in groups.items():
+        said = (f"{scores[0]:.3f}" + (" each" if len(scores) > 1 else "") if len(set(scores)) == 1
+                else ", ".join(f"{x:.3f}" for x in scores))
+        parts.append(f"epoch NLL {key}: {len(scores)} piece{'s' if len(scores) > 1 else ''}, {said}")
+    n = len(groups)
+    return f"{n} warm start{'s' if n > 1 else ''} of this recipe ({'; '.join(parts)})"
 
 
 def _arithmetic(report: dict[str, Any]) -> str:

@@ -239,6 +239,9 @@ def test_merge_of_a_study_run_in_pieces_with_the_warm_start_made_again(tmp_path)
     assert [s["heldout_success"] for s in m["base"]["starts"]] == [0.25, 0.375, 0.25]
     assert m["base"]["starts"][1]["epoch_losses"] == [0.43, 0.13]
     assert m["base"]["starts_agree"] == {"2": 8, "4": 7}
+    assert ls.starts_text(m["base"]["starts"]) == (
+        "2 warm starts of this recipe (epoch NLL 0.420 -> 0.140: 2 pieces, 0.250 each; "
+        "epoch NLL 0.430 -> 0.130: 1 piece, 0.375)")
     # each seed against its own piece's starting model, per bucket: "2-3" at 4 turns (tasks 3, 4):
     # ScalingInter seed 0 (piece 3, base [1, 0]) solves [1, 0]: no discordant task, p 1; seed 1 (piece 2, base
     # [1, 1]) solves [0, 1]: one discordant, p 1; fixed-long seed 0 (piece 2) solves [1, 0] against [1, 1]
@@ -250,7 +253,7 @@ def test_merge_of_a_study_run_in_pieces_with_the_warm_start_made_again(tmp_path)
     assert m["comparisons"]["scalinginter - fixed-long"]["ci95_seed_task"] == \
         full["comparisons"]["scalinginter - fixed-long"]["ci95_seed_task"]
     text = ls.table(m)
-    assert "made 3 times" in text and "0.250, 0.375, 0.250" in text
+    assert "scored by each of the 3 pieces, which started from 2 warm starts of this recipe" in text
     # the paper's claims on the merged study: the verdict against fixed-long from the seed-paired interval
     claims = {c["claim"]: c for c in m["paper_claims"]}
     assert claims["curriculum_ahead_of_long"]["measured"]["ci95"] == \
