@@ -355,9 +355,16 @@ def main(argv: list[str] | None = None) -> int:
                 ap.error(f"--merge: cannot read {path}: {e.strerror or e}")
             except ValueError as e:
                 ap.error(f"--merge: {path} is not a study report (not JSON: {e})")
+        paths = list(a.merge)
+        earlier = [k for k, r in enumerate(reports) if r.get("merged_from")]
+        if earlier and len(earlier) < len(reports):  # `--merge DIR/*.json` run again: pieces and their merge
+            print(f"--merge: left out {len(earlier)} merged report(s), whose pieces are merged from their own "
+                  f"reports: {', '.join(Path(paths[k]).name for k in earlier)}", flush=True)
+            reports = [r for k, r in enumerate(reports) if k not in earlier]
+            paths = [p for k, p in enumerate(paths) if k not in earlier]
         report = merge_reports(reports, allow_mixed_precision=a.allow_mixed_precision,
-                               names=[Path(p).name for p in a.merge])
-        report["merged_from"] = [Path(p).name for p in a.merge]
+                               names=[Path(p).name for p in paths])
+        report["merged_from"] = [Path(p).name for p in paths]
         a.env = report["env"]
         write_outputs(a, report)
         return 0

@@ -935,6 +935,32 @@ def test_the_study_evaluates_lock_step_and_reports_the_rescore(tmp_path, monkeyp
     assert merged["rescore"] == {"parts": [rs, other]} and ls.table(merged).count("re-score") == 2
 
 
+def test_merge_again_leaves_out_an_earlier_merged_report(tmp_path, capsys):
+    """``--merge DIR/*.json`` run again where DIR holds the pieces and their earlier merge: the merged report is
+    left out (said), so the pieces are not counted twice, and the new merge equals the first."""
+    ls = _bench()
+    p0, p1 = _report([0], arms=["scalinginter", "fixed-long"]), _report([1], arms=["scalinginter", "fixed-long"])
+    (tmp_path / "a.json").write_text(json.dumps(p0))
+    (tmp_path / "b.json").write_text(json.dumps(p1))
+    out = tmp_path / "out"
+    assert ls.main(["--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--results", str(out)]) == 0
+    (first,) = out.glob("*.json")
+    merged = json.loads(first.read_text())
+    assert merged["merged_from"] == ["a.json", "b.json"]
+    (tmp_path / "m.json").write_text(json.dumps(merged))
+    capsys.readouterr()
+    again = tmp_path / "again"
+    assert ls.main(["--merge", *(str(tmp_path / n) for n in ("a.json", "b.json", "m.json")),
+                    "--results", str(again)]) == 0
+    assert "left out 1 merged report(s), whose pieces are merged from their own reports: m.json" in \
+        capsys.readouterr().out
+    (second,) = again.glob("*.json")
+    redo = json.loads(second.read_text())
+    assert redo["merged_from"] == ["a.json", "b.json"]
+    assert redo["arms"]["scalinginter"]["per_seed_per_task"] == merged["arms"]["scalinginter"]["per_seed_per_task"]
+    assert redo["comparisons"] == merged["comparisons"]
+
+
 def test_study_says_what_is_wrong_with_its_input(tmp_path, capsys):
     """A --merge file that is missing or not JSON, a starting model that is not there: a clear error before
     anything trains (no traceback); --status on a results folder not made yet says so."""
