@@ -1177,6 +1177,7 @@ def arm_comparisons(arms_out: dict[str, Any], labels: list[int | None] | None = 
         bx, by = ax.get("per_seed_per_task_by_budget"), ay.get("per_seed_per_task_by_budget")
         if bx and by:
             entry["budgets"] = {}
+            buckets = bucket_indices(labels) if labels else None
             for b in sorted(set(bx) & set(by), key=int):
                 px, py = pooled_successes(bx[b]), pooled_successes(by[b])
                 by_seed = same_seeds and len(bx[b]) == len(by[b])  # paired by seed and by task
@@ -1184,13 +1185,13 @@ def arm_comparisons(arms_out: dict[str, Any], labels: list[int | None] | None = 
                 e = _paired(px, py)
                 if d:
                     e["ci95_seed_task"] = list(seed_task_bootstrap(d)[1:])
-                if labels:
-                    e["buckets"] = {k: _paired([px[i] for i in idx], [py[i] for i in idx])
-                                    for k, idx in bucket_indices(labels).items()}
-                    if d:
-                        for k, idx in bucket_indices(labels).items():
-                            e["buckets"][k]["ci95_seed_task"] = list(seed_task_bootstrap([[r[i] for i in idx]
-                                                                                           for r in d])[1:])
+                if buckets is not None:
+                    e["buckets"] = {}
+                    for k, idx in buckets.items():
+                        cell = _paired([px[i] for i in idx], [py[i] for i in idx])
+                        if d:
+                            cell["ci95_seed_task"] = list(seed_task_bootstrap([[r[i] for i in idx] for r in d])[1:])
+                        e["buckets"][k] = cell
                 entry["budgets"][b] = e
         out[f"{x} - {y}"] = entry
     return out
@@ -1507,7 +1508,7 @@ def starts_text(starts: list[dict[str, Any]]) -> str:
         groups.setdefault(key, []).append(s["heldout_success"])
     parts = []
     for key, scores in groups.items():
-        said = (f"{scores[0]:.3f}" + (" each" if len(scores) > 1 else "") if len(set(scores)) == 1
+        said = (f"{scores[0]:.3f} each" if len(scores) > 1 and len(set(scores)) == 1
                 else ", ".join(f"{x:.3f}" for x in scores))
         parts.append(f"epoch NLL {key}: {len(scores)} piece{'s' if len(scores) > 1 else ''}, {said}")
     n = len(groups)
